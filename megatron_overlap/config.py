@@ -1,0 +1,61 @@
+"""Options of the fused GEMM2 + GatherRS combine path.
+
+`GatherRSOptions` is the one place the fused path's knobs live. The Megatron integration
+(`megatron_overlap.megatron.config`) builds it from the `moe_gatherrs_*` fields of a
+`TransformerConfig`; the operator (`megatron_overlap.ops.gemm2_gatherrs`) takes it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+BACKENDS = ("auto", "triton", "reference")
+"""Values accepted for `GatherRSOptions.backend`."""
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Default bound on every GPU spin-wait of the fused kernels, in seconds."""
+
+
+@dataclass(frozen=True)
+class GatherRSOptions:
+    """How the fused GEMM2 + GatherRS operation runs.
+
+    Raises:
+        ValueError: a field is out of range (the message names the field and the value).
+        TypeError: a field has the wrong type.
+    """
+
+    backend: str = "auto"
+    """`"reference"`: plain PyTorch + torch.distributed collectives (any device, any
+    process-group backend, autograd-capable). `"triton"`: the tile-signaled fused kernels
+    (CUDA with peer access). `"auto"`: the Triton path where it can run, else the reference
+    path with a one-time warning saying why."""
+
+    num_comm_ctas: Optional[int] = None
+    """Override of the number of communication CTAs (the consumer's SM partition). `None`
+    lets the resource manager choose before every launch."""
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Bound on every GPU spin-wait, in seconds; on expiry the op raises `RuntimeError`
+    naming the rank, the segment and what it waited for."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise ValueError(
+                f"moe_gatherrs_backend={self.backend!r} is not supported; expected one of {BACKENDS}"
+            )
+        if self.num_comm_ctas is not None:
+            if isinstance(self.num_comm_ctas, bool) or not isinstance(self.num_comm_ctas, int):
+                raise TypeError(
+                    f"moe_gatherrs_num_comm_ctas={self.num_comm_ctas!r} must be an int or None"
+                )
+            if self.num_comm_ctas < 1:
+                raise ValueError(
+                    f"moe_gatherrs_num_comm_ctas={self.num_comm_ctas} must be >= 1 (or None for "
+                    "the resource manager's choice)"
+                )
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise TypeError(f"moe_gatherrs_timeout_s={self.timeout_s!r} must be a number")
+        if not self.timeout_s > 0:
+            raise ValueError(f"moe_gatherrs_timeout_s={self.timeout_s} must be > 0 seconds")

@@ -1,0 +1,176 @@
+"""Alltoall token dispatcher whose combine half is the fused GEMM2 + GatherRS operation.
+
+The dispatch half is Megatron's `MoEAlltoAllTokenDispatcher`, unchanged, plus 4 bytes per
+routed row: each row's *slot* (`metadata.source_slots`) travels with the tokens, so the
+expert side knows which of its rows belong to one source token without token indices, and a
+small all-gather of routing counts gives every rank the tokens per local expert per source
+rank (also with one local expert, where Megatron does not keep them).
+
+The combine half (`gemm2_gatherrs_combine`) replaces Megatron's `combine_preprocess`
+(unsort + TP reduce-scatter), `token_combine` (EP all-to-all) and the un-permute of
+`combine_postprocess`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
+from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
+from megatron_overlap.ops import gemm2_gatherrs
+from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
+
+
+def _as_list(splits) -> List[int]:
+    """Split sizes (tensor, numpy array or list) as Python ints."""
+    if isinstance(splits, torch.Tensor):
+        return [int(x) for x in splits.tolist()]
+    return [int(x) for x in splits]
+
+
+def _all_gather_varsize(t: torch.Tensor, sizes: List[int], group) -> torch.Tensor:
+    """Concatenate every rank's 1-D `t` (rank r holds sizes[r] elements) in group order.
+
+    Padded to the largest size so it also runs on gloo, whose all-gather needs equal sizes.
+    """
+    width = max(sizes)
+    padded = t.new_zeros(width)
+    padded[: t.numel()] = t
+    out = t.new_empty(width * len(sizes))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
+
+
+class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """Megatron's alltoall dispatcher with the return path fused into GEMM2 + GatherRS.
+
+    Same constructor as `MoEAlltoAllTokenDispatcher`. After `dispatch_postprocess`,
+    `metadata` holds this call's `GatherRSMetadata` (TP/EP group sizes and ranks, tokens per
+    local expert per source rank, slots); `gemm2_gatherrs_combine` asks the resource manager
+    for a plan (kept in `plan`) and runs the fused operation.
+
+    Raises:
+        ValueError: the config is not supported by the fused path (`validate_gatherrs_config`).
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        validate_gatherrs_config(config)
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
+        self.options = gatherrs_options(config)
+        self.metadata: Optional[GatherRSMetadata] = None
+        self.plan: Optional[Plan] = None
+        self.num_plans = 0  # resource-manager calls so far (one per forward)
+        self._num_sms = None
+
+    # ---- dispatch half: Megatron's, plus the slots -------------------------------------
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """Megatron's `dispatch_preprocess`, then this rank's slots and routing counts."""
+        out = super().dispatch_preprocess(hidden_states, routing_map, probs)
+        row_slot, self._dest_token_mask, slots_per_ep = source_slots(
+            self.routing_map, self.ep_size
+        )
+        self._row_slot = row_slot
+        counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
+        if self.tp_size * self.ep_size > 1:
+            gathered = counts.new_empty(self.tp_size * self.ep_size, counts.numel())
+            dist.all_gather_into_tensor(gathered, counts, group=self.tp_ep_group)
+            counts = gathered
+        self._counts = counts.view(self.tp_size * self.ep_size, -1).cpu().numpy()
+        return out
+
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        """Megatron's EP all-to-all of tokens and probs; the slots follow the same splits."""
+        tokens, probs = super().token_dispatch(permutated_local_input_tokens, permuted_probs)
+        if self.ep_size > 1:
+            out_splits, in_splits = _as_list(self.output_splits), _as_list(self.input_splits)
+            received = self._row_slot.new_empty(sum(out_splits))
+            dist.all_to_all_single(received, self._row_slot, out_splits, in_splits,
+                                   group=self.ep_group)
+            self._row_slot = received
+        return tokens, probs
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        """Megatron's TP all-gather + sort by local expert, applied to the slots too; then
+        builds `metadata`."""
+        tokens, tokens_per_expert, probs = super().dispatch_postprocess(
+            global_input_tokens, global_probs
+        )
+        row_slot = self._row_slot
+        num_experts = self._counts.shape[1] - self.ep_size
+        nle = self.num_local_experts
+        local = slice(self.ep_rank * nle, (self.ep_rank + 1) * nle)
+        # [TP, EP, L] rows received from each (tp, ep) source, like Megatron's
+        # num_global_tokens_per_local_expert; _counts rows are in group order (ep, tp).
+        per_source = self._counts[:, :num_experts][:, local].reshape(
+            self.ep_size, self.tp_size, nle
+        ).transpose(1, 0, 2)
+        if self.tp_size > 1:
+            sizes = [int(x) for x in per_source[:, :, :].sum(axis=(1, 2))]
+            row_slot = _all_gather_varsize(row_slot, sizes, self.tp_group)
+        if nle > 1:
+            row_slot, _ = sort_chunks_by_idxs(
+                row_slot.unsqueeze(1),
+                torch.from_numpy(np.ascontiguousarray(per_source.reshape(-1))),
+                self.sort_input_by_local_experts.cpu(),
+            )
+            row_slot = row_slot.view(-1)
+        self.metadata = build_metadata(
+            counts=self._counts,
+            row_slot=row_slot,
+            dest_token_mask=self._dest_token_mask,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            topk=self.config.moe_router_topk,
+        )
+        self._row_slot = None
+        return tokens, tokens_per_expert, probs
+
+    # ---- combine half: one fused operation ---------------------------------------------
+
+    def gemm2_gatherrs_combine(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """FC2 + un-permute + top-k combine + TP reduce-scatter + EP return all-to-all.
+
+        Args:
+            h: [N, F] FC1 output after activation and probs, in `dispatch_postprocess` order.
+            w2: [L, H, F] FC2 weights of the local experts.
+
+        Returns:
+            [T, H] routed-expert output of this rank's tokens, shaped like the layer input's
+            token dims (`hidden_shape`), dtype of h.
+        """
+        if self.metadata is None:
+            raise RuntimeError("gemm2_gatherrs_combine called before dispatch_postprocess")
+        if self._num_sms is None and h.is_cuda:
+            self._num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+        self.plan = plan_gemm2_gatherrs(self.metadata, self.options, num_sms=self._num_sms)
+        self.num_plans += 1
+        group = self.tp_ep_group if self.metadata.group_size > 1 else None
+        out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,
+                             plan=self.plan)
+        self.metadata = None
+        return out.view(self.hidden_shape)
+
+    def combine_preprocess(self, hidden_states):
+        """Folded into `gemm2_gatherrs_combine`."""
+        raise RuntimeError(
+            "GatherRSAlltoAllTokenDispatcher fuses combine_preprocess, token_combine and the "
+            "un-permute into gemm2_gatherrs_combine; build the layer with "
+            "megatron_overlap.megatron.GatherRSMoELayer"
+        )
+
+    def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
+        """Folded into `gemm2_gatherrs_combine`."""
+        return self.combine_preprocess(hidden_states)
+
+    def combine_postprocess(self, hidden_states):
+        """The fused op already returns token order; only the layer-input shape remains."""
+        return hidden_states.view(self.hidden_shape)

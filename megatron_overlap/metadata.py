@@ -1,0 +1,210 @@
+"""Routing metadata of one fused GEMM2 + GatherRS call.
+
+Shape symbols used in this module:
+    T   tokens held by this rank (the MoE layer's local tokens)
+    E   routed experts in the model;  L = E / EP local experts on this rank
+    EP  expert-parallel size;  TP  expert tensor-parallel size;  R = TP * EP ranks of the
+        tp_ep group, the group every partial row travels in
+    N   rows this rank's experts received (routed (token, expert) pairs), grouped by local
+        expert, then by source chunk, then in source token order: exactly the order Megatron's
+        `MoEAlltoAllTokenDispatcher.dispatch_postprocess` produces
+    S   "slots": the distinct (source rank, token) pairs that this rank's experts saw; each
+        slot becomes one pre-reduced row sent back to its source (DESIGN.md §3, "Gather")
+
+Two orders of ranks appear and are never mixed up:
+  * group order: rank g of the tp_ep group, g = ep_rank * TP + tp_rank (the layout Megatron's
+    `MoEAlltoAllTokenDispatcher.preprocess` assumes when it reshapes the gathered counts to
+    [EP, TP, E]);
+  * chunk order: c = tp_rank * EP + ep_rank, the order of the source chunks inside each local
+    expert's rows after Megatron's TP all-gather + `sort_chunks_by_idxs`.
+
+The source side computes, for every routed row it sends, the row's *slot*: the position of its
+token among this rank's tokens routed to the destination EP rank (`source_slots`). The slots
+travel with the dispatch (4 bytes a row); the expert side then knows, without token indices,
+which of its rows belong to one token and where that token's pre-reduced row goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import numpy as np
+import torch
+
+
+def chunk_to_group_rank(chunk: int, tp_size: int, ep_size: int) -> int:
+    """Group rank of source chunk `chunk` (chunk order c = tp * EP + ep -> g = ep * TP + tp)."""
+    tp_rank, ep_rank = divmod(chunk, ep_size)
+    return ep_rank * tp_size + tp_rank
+
+
+def source_slots(routing_map: torch.Tensor, ep_size: int):
+    """Slots of this rank's routed rows, in Megatron's permute order.
+
+    Megatron's `permute` (moe_utils.py, unfused path) orders routed rows expert-major, token
+    ascending within an expert. For a row (token t, expert e) going to EP rank j = e // L, its
+    slot is the rank of t among this rank's tokens routed to any expert of j.
+
+    Args:
+        routing_map: [T, E] bool.
+        ep_size: EP; must divide E.
+
+    Returns:
+        row_slot: [num routed rows] int32, in permute order.
+        dest_token_mask: [T, EP] bool, token t has at least one expert on EP rank j.
+        num_slots_per_ep: [EP] int64, tokens going to each EP rank.
+
+    Raises:
+        ValueError: routing_map is not a 2-D bool tensor or E % ep_size != 0.
+    """
+    if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+        raise ValueError(
+            f"routing_map must be a [tokens, experts] bool tensor, got shape "
+            f"{tuple(routing_map.shape)} dtype {routing_map.dtype}"
+        )
+    num_tokens, num_experts = routing_map.shape
+    if ep_size < 1 or num_experts % ep_size != 0:
+        raise ValueError(f"ep_size={ep_size} must divide the number of experts {num_experts}")
+    num_local = num_experts // ep_size
+    dest_token_mask = routing_map.view(num_tokens, ep_size, num_local).any(dim=-1)
+    slot_of_token = torch.cumsum(dest_token_mask.to(torch.int32), dim=0) - 1  # [T, EP]
+    expert_of_row, token_of_row = routing_map.T.nonzero(as_tuple=True)
+    row_slot = slot_of_token[token_of_row, expert_of_row // num_local].to(torch.int32)
+    return row_slot, dest_token_mask, dest_token_mask.sum(dim=0)
+
+
+@dataclass
+class GatherRSMetadata:
+    """Everything one rank needs for one fused GEMM2 + GatherRS call.
+
+    Host-side counts are numpy int64 arrays (they size launches and collectives); per-row data
+    are device tensors. Built by `build_metadata`; read by the reference op, the Triton kernels
+    and the resource manager.
+    """
+
+    tp_size: int
+    tp_rank: int
+    ep_size: int
+    ep_rank: int
+    num_local_experts: int
+    num_tokens: int
+    """T: tokens of this rank (rows of the op's output)."""
+
+    rows_per_expert_per_chunk: np.ndarray
+    """[L, R] int64: rows of local expert l from source chunk c (chunk order); their sum over
+    chunks is Megatron's tokens-per-local-expert, also when L == 1."""
+
+    send_slots: np.ndarray
+    """[R] int64, group order: pre-reduced rows this rank sends to each rank."""
+
+    recv_slots: np.ndarray
+    """[R] int64, group order: pre-reduced (partial) rows each rank sends to this rank."""
+
+    gather_index: torch.Tensor
+    """[S, K] int64, S = send_slots.sum(), slots grouped by destination in group order: the
+    local rows (indices into the op's `h` rows) whose FC2 outputs sum into each slot, in
+    ascending local-expert order, padded with -1; K = min(L, top-k)."""
+
+    recv_token_index: torch.Tensor
+    """[recv_slots.sum()] int64: for the rows received from each sender (group order,
+    concatenated), the local token each row belongs to."""
+
+    @property
+    def group_size(self) -> int:
+        """R = TP * EP."""
+        return self.tp_size * self.ep_size
+
+    @property
+    def tokens_per_local_expert(self) -> np.ndarray:
+        """[L] int64: rows per local expert (Megatron's `tokens_per_expert`)."""
+        return self.rows_per_expert_per_chunk.sum(axis=1)
+
+    def split_sizes(self, counts: np.ndarray) -> List[int]:
+        """A [R] count array as a list of Python ints (collective split sizes)."""
+        return [int(x) for x in counts]
+
+
+def build_metadata(
+    *,
+    counts: np.ndarray,
+    row_slot: torch.Tensor,
+    dest_token_mask: torch.Tensor,
+    tp_size: int,
+    tp_rank: int,
+    ep_size: int,
+    ep_rank: int,
+    topk: int,
+) -> GatherRSMetadata:
+    """Build the metadata of one call from the exchanged routing counts.
+
+    Args:
+        counts: [R, E + EP] int host array, group order: row g is rank g's tokens per expert
+            (`routing_map.sum(0)`) followed by its `num_slots_per_ep` (see `source_slots`).
+        row_slot: [N] int32 device tensor: the slots of this rank's received rows, in the
+            order of the op's `h` rows (local expert, source chunk, token).
+        dest_token_mask: [T, EP] bool, this rank's own `source_slots` mask.
+        tp_size, tp_rank, ep_size, ep_rank: this rank's place in the tp_ep group.
+        topk: the router's top-k (bounds the contributions per slot).
+
+    Raises:
+        ValueError: inconsistent sizes (the message names them).
+    """
+    group_size = tp_size * ep_size
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.ndim != 2 or counts.shape[0] != group_size or counts.shape[1] <= ep_size:
+        raise ValueError(
+            f"counts must be [R={group_size}, E + EP] with EP={ep_size}, got {counts.shape}"
+        )
+    num_experts = counts.shape[1] - ep_size
+    if num_experts % ep_size != 0:
+        raise ValueError(f"ep_size={ep_size} must divide the number of experts {num_experts}")
+    num_local = num_experts // ep_size
+    device = row_slot.device
+
+    chunk_groups = [chunk_to_group_rank(c, tp_size, ep_size) for c in range(group_size)]
+    local = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
+    rows_per_expert_per_chunk = counts[chunk_groups, local].T.copy()  # [L, R] chunk order
+    num_rows = int(rows_per_expert_per_chunk.sum())
+    if row_slot.numel() != num_rows:
+        raise ValueError(f"row_slot has {row_slot.numel()} rows, the counts say {num_rows}")
+
+    send_slots = counts[:, num_experts + ep_rank].copy()  # [R] group order
+    num_slots_per_ep = dest_token_mask.sum(dim=0).cpu().numpy().astype(np.int64)
+    recv_slots = np.array([num_slots_per_ep[g // tp_size] for g in range(group_size)])
+
+    # Destination (group rank) of every received row, then its global slot index.
+    chunk_of_row = np.tile(np.arange(group_size), num_local)
+    dest_of_row_chunks = np.array(chunk_groups)[chunk_of_row]
+    send_offsets = np.concatenate([[0], np.cumsum(send_slots)[:-1]])
+    row_base = torch.from_numpy(
+        np.repeat(send_offsets[dest_of_row_chunks], rows_per_expert_per_chunk.reshape(-1))
+    ).to(device)
+    global_slot = row_base + row_slot.to(torch.int64)
+
+    num_contrib = max(1, min(num_local, topk))
+    num_slots = int(send_slots.sum())
+    gather_index = torch.full((num_slots, num_contrib), -1, dtype=torch.int64, device=device)
+    if num_rows:
+        order = torch.sort(global_slot, stable=True).indices  # keeps ascending expert order
+        sorted_slot = global_slot[order]
+        first = torch.searchsorted(sorted_slot, sorted_slot, right=False)
+        position = torch.arange(num_rows, device=device) - first
+        gather_index[sorted_slot, position] = order
+
+    recv_token_index = torch.cat(
+        [dest_token_mask[:, g // tp_size].nonzero().view(-1) for g in range(group_size)]
+    )
+    return GatherRSMetadata(
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        num_local_experts=num_local,
+        num_tokens=int(dest_token_mask.shape[0]),
+        rows_per_expert_per_chunk=rows_per_expert_per_chunk,
+        send_slots=send_slots,
+        recv_slots=recv_slots,
+        gather_index=gather_index,
+        recv_token_index=recv_token_index,
+    )

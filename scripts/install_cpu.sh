@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install megatron_overlap and its dependencies on a CPU-only machine (Python >= 3.10).
+#
+# torch is pinned to the CPU build first: an unpinned torch pulls a multi-GB CUDA build.
+# megatron-core 0.19.2 declares Requires-Python >= 3.12; megatron.core itself works on 3.11,
+# so it is installed from its sdist with --ignore-requires-python (its runtime deps are torch,
+# numpy, packaging, all installed here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q packaging numpy
+"$PY" -m pip install -q --ignore-requires-python --no-deps "megatron-core==0.19.2"
+"$PY" -m pip install -q -e ".[test,bench]"
