@@ -79,7 +79,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._row_slot = row_slot
         counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
         if self.tp_size * self.ep_size > 1:
-            gathered = counts.new_empty(self.tp_size * self.ep_size, counts.numel())
+            gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
             dist.all_gather_into_tensor(gathered, counts, group=self.tp_ep_group)
             counts = gathered
         self._counts = counts.view(self.tp_size * self.ep_size, -1).cpu().numpy()
