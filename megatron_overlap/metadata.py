@@ -26,6 +26,7 @@ which of its rows belong to one token and where that token's pre-reduced row goe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List
 
@@ -119,6 +120,14 @@ class GatherRSMetadata:
     def tokens_per_local_expert(self) -> np.ndarray:
         """[L] int64: rows per local expert (Megatron's `tokens_per_expert`)."""
         return self.rows_per_expert_per_chunk.sum(axis=1)
+
+    def to(self, device) -> "GatherRSMetadata":
+        """A copy whose device tensors live on `device` (host counts are shared)."""
+        return dataclasses.replace(
+            self,
+            gather_index=self.gather_index.to(device),
+            recv_token_index=self.recv_token_index.to(device),
+        )
 
     def split_sizes(self, counts: np.ndarray) -> List[int]:
         """A [R] count array as a list of Python ints (collective split sizes)."""

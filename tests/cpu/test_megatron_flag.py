@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.dist import for_each_case, run_distributed
+from tests.support.megatron_cpu import init_expert_weights
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
 
@@ -96,6 +97,7 @@ def _run_layer_case(case: LayerCase, layout) -> dict:
     stock_spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
     ours_spec = use_gatherrs_in_moe_spec(stock_spec)
     stock = stock_spec(config=_config(case, False))
+    init_expert_weights(stock, seed=99, std=0.2)  # distinct experts on every EP rank
     ours_off = ours_spec(config=_config(case, False))
     ours_on = ours_spec(config=_config(case, True))
     ours_off.load_state_dict(stock.state_dict(), strict=True)
@@ -130,6 +132,7 @@ def _run_layer_case(case: LayerCase, layout) -> dict:
 def _run_model_case(case: LayerCase, layout) -> dict:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as stock_specs
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_overlap.megatron import specs
 
@@ -141,6 +144,9 @@ def _run_model_case(case: LayerCase, layout) -> dict:
                         max_sequence_length=seq, position_embedding_type="rope")
 
     stock = build(cfg_off, stock_specs.get_gpt_decoder_block_spec(cfg_off, False))
+    for module in stock.modules():
+        if isinstance(module, MoELayer):
+            init_expert_weights(module, seed=99, std=0.2)
     ours = build(cfg_on, specs.get_gpt_decoder_block_spec(cfg_on))
     ours.load_state_dict(stock.state_dict(), strict=True)
     stock.eval()
