@@ -20,37 +20,35 @@ import torch.distributed as dist
 
 from megatron_overlap import gemm2_gatherrs_reference
 from megatron_overlap.metadata import build_metadata, source_slots
+from tests.support.asserts import describe_mismatch
 from tests.support.dist import for_each_case, run_distributed
 from tests.support.op_problem import OpCase, dense_output, global_tensors, rank_operands
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
 
 
-def _max_rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    if got.numel() == 0:
-        return 0.0
-    scale = expected.abs().max().clamp(min=1e-6)
-    return float((got.float() - expected).abs().max() / scale)
-
-
-def _run_case(rank: int, case: OpCase) -> dict:
+def _run_case(rank: int, case: OpCase, device: str = "cpu") -> dict:
     h, w2, meta = rank_operands(case, rank)
+    h, w2, meta = h.to(device), w2.to(device), meta.to(device)
     group = dist.group.WORLD if case.tp * case.ep > 1 else None
     out = gemm2_gatherrs_reference(h, w2, meta, group)
     again = gemm2_gatherrs_reference(h, w2, meta, group)
+    out, again = out.cpu(), again.cpu()
     expected = dense_output(case, rank)
     result = {
         "shape_ok": tuple(out.shape) == tuple(expected.shape),
         "dtype_ok": out.dtype == case.dtype,
-        "rel_error": _max_rel_error(out, expected),
+        "mismatch": describe_mismatch(out, expected, rel_tol=TOLERANCE[case.dtype]),
         "deterministic": torch.equal(out, again),
     }
     if case.dtype == torch.float32:
         # d(sum(out * g))/dh for row (token t, expert e) is g[t] @ w2[e] (this rank's shard).
         h = h.clone().requires_grad_(True)
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
-        (gemm2_gatherrs_reference(h, w2, meta, group) * grad_out).sum().backward()
-        result["grad_rel_error"] = _max_rel_error(h.grad, _expected_h_grad(case, rank))
+        (gemm2_gatherrs_reference(h, w2, meta, group) * grad_out.to(device)).sum().backward()
+        result["grad_mismatch"] = describe_mismatch(
+            h.grad.cpu(), _expected_h_grad(case, rank), rel_tol=TOLERANCE[torch.float32]
+        )
     return result
 
 
@@ -66,8 +64,8 @@ def _expected_h_grad(case: OpCase, rank: int) -> torch.Tensor:
     return rank_operands(case, rank, tensors=(maps, grad_rows, w2))[0]
 
 
-def _worker(rank: int, world_size: int, cases: list) -> list:
-    return for_each_case(cases, lambda case: _run_case(rank, case))
+def _worker(rank: int, world_size: int, cases: list, device: str = "cpu") -> list:
+    return for_each_case(cases, lambda case: _run_case(rank, case, device))
 
 
 def _cases(world: int) -> list:
@@ -91,18 +89,15 @@ def _cases(world: int) -> list:
     return cases
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_reference_op_matches_dense_formula(world):
-    cases = _cases(world)
-    results = run_distributed(_worker, world, cases, timeout_s=240)
+def check_results(cases: list, results: list) -> None:
+    """Assert every rank's result of every case (shared with the GPU tests)."""
     for rank, per_rank in enumerate(results):
         for case, res in zip(cases, per_rank):
             where = f"rank {rank} {case}"
             assert res["shape_ok"] and res["dtype_ok"], where
-            assert res["rel_error"] <= TOLERANCE[case.dtype], (where, res)
+            assert res["mismatch"] is None, (where, res["mismatch"])
             assert res["deterministic"], where
-            if "grad_rel_error" in res:
-                assert res["grad_rel_error"] <= TOLERANCE[torch.float32], (where, res)
+            assert res.get("grad_mismatch") is None, (where, "dL/dh", res["grad_mismatch"])
 
 
 def test_source_slots_order_and_counts():
@@ -137,3 +132,9 @@ def test_bad_inputs_raise():
     two_rank = dataclasses.replace(meta, tp_size=2)
     with pytest.raises(ValueError, match="tp_ep process group"):
         gemm2_gatherrs_reference(h, w2, two_rank, None)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_reference_op_matches_dense_formula(world):
+    cases = _cases(world)
+    check_results(cases, run_distributed(_worker, world, cases, timeout_s=240))

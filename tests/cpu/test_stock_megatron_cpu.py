@@ -36,6 +36,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from tests.support.asserts import assert_close
 from tests.support.dist import for_each_case, run_distributed
 from tests.support.megatron_cpu import (
     ParallelLayout,
@@ -256,36 +257,6 @@ def _worker(rank: int, world_size: int, cases: Sequence[MoECase | GPTCase]) -> l
 # ----------------------------------------------------------------------------------------
 # Reference and checks (pytest process)
 # ----------------------------------------------------------------------------------------
-
-
-def assert_close(
-    actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, what: str
-) -> None:
-    """`torch.testing`-style closeness with a report of where it differs.
-
-    Reports shape/dtype mismatches, NaN/Inf counts, the number of mismatches, the first
-    mismatching indices with both values, and the max abs and rel errors.
-    """
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    actual, expected = actual.double(), expected.double()
-    nonfinite = (~torch.isfinite(actual)).sum().item()
-    abs_err = (actual - expected).abs()
-    bad = ~(abs_err <= atol + rtol * expected.abs())  # NaN counts as bad
-    if nonfinite == 0 and not bad.any():
-        return
-    rel_err = abs_err / expected.abs().clamp_min(torch.finfo(torch.float32).tiny)
-    first = bad.nonzero()[:5].tolist()
-    samples = ", ".join(
-        f"{tuple(i)}: {actual[tuple(i)].item():.8g} vs {expected[tuple(i)].item():.8g}"
-        for i in first
-    )
-    raise AssertionError(
-        f"{what}: {int(bad.sum())}/{bad.numel()} elements differ beyond atol={atol}, "
-        f"rtol={rtol}; NaN/Inf in actual: {nonfinite}; max abs err "
-        f"{abs_err.nan_to_num(float('inf')).max().item():.3g}, max rel err "
-        f"{rel_err.nan_to_num(float('inf')).max().item():.3g}; first: {samples}"
-    )
 
 
 def dense_moe_reference(

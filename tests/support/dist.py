@@ -102,6 +102,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout_s: float = 120.0,
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
     """Call `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo-connected processes.
@@ -115,8 +116,10 @@ def run_distributed(
         fn: a module-level function (it is pickled by reference and imported in the workers).
         world_size: number of ranks, >= 1.
         *args, **kwargs: passed to `fn`; must be picklable.
-        timeout_s: wall-clock limit for the whole run, start-up included. Also the gloo
+        timeout_s: wall-clock limit for the whole run, start-up included. Also the
             collective timeout inside the ranks.
+        backend: "gloo" (CPU), or "nccl" (GPU tests: rank r uses cuda:r, set before the
+            process group is created).
 
     Returns:
         The return values of `fn`, indexed by rank. They must be picklable (tensors are).
@@ -132,6 +135,8 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     _check_importable(fn)
 
     import torch.distributed as dist  # deferred: importing torch costs seconds
@@ -149,7 +154,8 @@ def run_distributed(
                 receiver, sender = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(rank, world_size, store.port, timeout_s, payload, sender, stack_dir),
+                    args=(rank, world_size, store.port, timeout_s, payload, sender, stack_dir,
+                          backend),
                     name=f"rank{rank}",
                     daemon=True,
                 )
@@ -306,6 +312,7 @@ def _worker_main(
     payload: bytes,
     sender: multiprocessing.connection.Connection,
     stack_dir: str,
+    backend: str,
 ) -> None:
     """Body of one rank: join the process group, run `fn`, send ("ok"|"error", body).
 
@@ -331,8 +338,10 @@ def _worker_main(
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         fn, args, kwargs = pickle.loads(payload)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=world_size,
