@@ -102,6 +102,14 @@ class GatherRSMetadata:
     recv_slots: np.ndarray
     """[R] int64, group order: pre-reduced (partial) rows each rank sends to this rank."""
 
+    dest_row_offsets: np.ndarray
+    """[R] int64, group order: the first row of this rank's block in each destination's
+    receive buffer (receive buffers hold senders' blocks in group-rank order)."""
+
+    recv_rows_per_rank: np.ndarray
+    """[R] int64, group order: rows every rank receives in one call (the receive-buffer
+    capacity all ranks agree on, computed alike everywhere from the exchanged counts)."""
+
     gather_index: torch.Tensor
     """[S, K] int64, S = send_slots.sum(), slots grouped by destination in group order: the
     local rows (indices into the op's `h` rows) whose FC2 outputs sum into each slot, in
@@ -179,8 +187,17 @@ def build_metadata(
         raise ValueError(f"row_slot has {row_slot.numel()} rows, the counts say {num_rows}")
 
     send_slots = counts[:, num_experts + ep_rank].copy()  # [R] group order
+    # rows_from[g, s]: pre-reduced rows sender s sends to rank g (s's EP rank's slots of g).
+    rows_from = counts[:, num_experts + np.arange(group_size) // tp_size]
+    my_rank = ep_rank * tp_size + tp_rank
+    dest_row_offsets = rows_from[:, :my_rank].sum(axis=1)
     num_slots_per_ep = dest_token_mask.sum(dim=0).cpu().numpy().astype(np.int64)
     recv_slots = np.array([num_slots_per_ep[g // tp_size] for g in range(group_size)])
+    if not np.array_equal(rows_from[my_rank], recv_slots):
+        raise ValueError(
+            f"exchanged slot counts {rows_from[my_rank].tolist()} disagree with this rank's "
+            f"routing map {recv_slots.tolist()}"
+        )
 
     # Destination (group rank) of every received row, then its global slot index.
     chunk_of_row = np.tile(np.arange(group_size), num_local)
@@ -214,6 +231,8 @@ def build_metadata(
         rows_per_expert_per_chunk=rows_per_expert_per_chunk,
         send_slots=send_slots,
         recv_slots=recv_slots,
+        dest_row_offsets=dest_row_offsets,
+        recv_rows_per_rank=rows_from.sum(axis=1),
         gather_index=gather_index,
         recv_token_index=recv_token_index,
     )
