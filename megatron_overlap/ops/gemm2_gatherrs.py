@@ -5,6 +5,7 @@ Shape symbols as in `megatron_overlap.metadata`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -13,39 +14,69 @@ import torch.distributed as dist
 
 from megatron_overlap.config import GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
-from megatron_overlap.reference import gemm2_gatherrs_reference
-from megatron_overlap.resource import Plan
+from megatron_overlap.reference import check_operands, gemm2_gatherrs_reference
+from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
+
+TRITON_DTYPES = (torch.bfloat16, torch.float16)
+"""Dtypes the Triton kernels take (fp32 would run its tensor-core dot in tf32)."""
 
 _warned: set = set()
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that actually runs for `backend` on `device`.
+@functools.lru_cache(maxsize=None)
+def _peer_access_reason(device_index: int, group_size: int) -> Optional[str]:
+    """Why this node cannot host a group of `group_size` ranks with peer stores, or None."""
+    num_devices = torch.cuda.device_count()
+    if group_size > num_devices:
+        return (f"the tp_ep group has {group_size} ranks but this node has {num_devices} GPUs; "
+                "the Triton path needs the whole group on one NVLink node")
+    for other in range(num_devices):
+        if other != device_index and not torch.cuda.can_device_access_peer(device_index, other):
+            return f"GPU {device_index} has no peer access to GPU {other}"
+    return None
 
-    `"auto"` resolves to `"reference"` in this version (the Triton kernels are not part of
-    it yet) with a one-time warning that says so; `"triton"` raises.
+
+def triton_unavailable_reason(h: torch.Tensor, w2: torch.Tensor,
+                              group: Optional[dist.ProcessGroup]) -> Optional[str]:
+    """Why the Triton kernels cannot run this call, or None when they can."""
+    if not h.is_cuda:
+        return f"the operands are on {h.device}, the Triton kernels need CUDA"
+    if h.dtype not in TRITON_DTYPES:
+        return f"dtype {h.dtype} (the Triton kernels take {TRITON_DTYPES})"
+    if torch.is_grad_enabled() and (h.requires_grad or w2.requires_grad):
+        return "autograd is recording (the Triton path is forward-only: inference / prefill)"
+    if group is not None and dist.get_world_size(group) > 1:
+        if dist.get_backend(group) != "nccl":
+            return f"the process group backend is {dist.get_backend(group)}, expected nccl"
+        return _peer_access_reason(h.device.index or 0, dist.get_world_size(group))
+    return None
+
+
+def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,
+                    group: Optional[dist.ProcessGroup]) -> str:
+    """The backend that runs this call: `"triton"` or `"reference"`.
+
+    `"auto"` takes the Triton kernels where they can run and otherwise the reference path,
+    with a one-time warning per reason.
 
     Raises:
         ValueError: unknown backend name.
-        NotImplementedError: `"triton"` requested; it is not available in this version.
+        RuntimeError: `"triton"` requested where it cannot run (the message says why).
     """
     if backend == "reference":
         return "reference"
-    if backend == "auto":
-        reason = "the Triton GEMM2 + GatherRS kernels are not part of this version"
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(
-                f"moe_gatherrs_backend='auto' runs the reference path on {device}: {reason}",
-                stacklevel=3,
-            )
-        return "reference"
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend={backend!r}; expected one of 'auto', 'triton', 'reference'")
+    reason = triton_unavailable_reason(h, w2, group)
+    if reason is None:
+        return "triton"
     if backend == "triton":
-        raise NotImplementedError(
-            "moe_gatherrs_backend='triton' is not available in this version of megatron_overlap; "
-            "use 'reference' or 'auto'"
-        )
-    raise ValueError(f"backend={backend!r}; expected one of 'auto', 'triton', 'reference'")
+        raise RuntimeError(f"moe_gatherrs_backend='triton' cannot run here: {reason}")
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"moe_gatherrs_backend='auto' runs the reference path: {reason}",
+                      stacklevel=3)
+    return "reference"
 
 
 def gemm2_gatherrs(
@@ -66,16 +97,26 @@ def gemm2_gatherrs(
         meta: routing metadata (`metadata.build_metadata`).
         group: the tp_ep process group (R = TP * EP ranks); None when R == 1.
         options: backend, communication CTAs, timeout.
-        plan: the resource manager's plan for this launch (unused by the reference path).
+        plan: the resource manager's plan; computed here when None.
 
     Returns:
         [T, H] in h's dtype: the routed experts' contribution to this rank's tokens.
 
     Raises:
         TypeError, ValueError: bad operands (see `reference.check_operands`).
-        NotImplementedError: backend "triton" in this version.
+        RuntimeError: backend "triton" where it cannot run, or a bounded GPU wait expired.
     """
-    backend = resolve_backend(options.backend, h.device)
-    del plan  # only the fused kernels use it
-    assert backend == "reference"
-    return gemm2_gatherrs_reference(h, w2, meta, group)
+    check_operands(h, w2, meta)
+    backend = resolve_backend(options.backend, h, w2, group)
+    if backend == "reference":
+        return gemm2_gatherrs_reference(h, w2, meta, group)
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import gemm2_gatherrs_triton
+    from megatron_overlap.symm import get_workspace
+
+    if plan is None:
+        num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms)
+    workspace = get_workspace(group, hidden=w2.shape[1], dtype=h.dtype, device=h.device)
+    return gemm2_gatherrs_triton(h, w2, meta, workspace=workspace, plan=plan,
+                                 timeout_s=options.timeout_s)

@@ -44,6 +44,7 @@ class LayerCase:
     check_grads: bool = False
     model: bool = False  # a 2-layer GPTModel instead of one MoELayer
     capacity_factor: Optional[float] = None
+    backend: str = "reference"
 
 
 def _config(case: LayerCase, flag: bool, num_layers: int = 1):
@@ -72,7 +73,7 @@ def _config(case: LayerCase, flag: bool, num_layers: int = 1):
         params_dtype=case.dtype,
         bf16=case.dtype == torch.bfloat16,
         moe_gatherrs_overlap=flag,
-        moe_gatherrs_backend="reference",
+        moe_gatherrs_backend=case.backend,
     )
 
 
@@ -107,7 +108,8 @@ def _run_layer_case(case: LayerCase, layout, device: str = "cpu") -> dict:
     for name, layer in (("stock", stock), ("off", ours_off), ("on", ours_on)):
         layer.train(case.check_grads)  # Megatron refuses TP without SP in training only
         xi = x.clone().requires_grad_(case.check_grads)
-        out, bias = layer(xi)
+        with torch.set_grad_enabled(case.check_grads):
+            out, bias = layer(xi)
         assert bias is None
         outputs[name] = out.detach()
         if case.check_grads:

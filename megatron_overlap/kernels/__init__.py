@@ -1,0 +1,1 @@
+"""Triton kernels (no launch logic here: see `megatron_overlap.ops`)."""

@@ -1,0 +1,187 @@
+"""Symmetric-memory workspace of the fused GEMM2 + GatherRS kernels.
+
+One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
+
+* the receive buffer, [2, capacity_rows, H] in the op dtype, in symmetric memory (every rank
+  can store into every other rank's copy). Two halves, used by alternate calls (parity =
+  epoch % 2): a sender writes call i + 2 into a half only after its own finalize of call
+  i + 1, which waited for the receiver's call-(i + 1) arrivals, which the receiver sent only
+  after its finalize of call i had read that half. So no rank overwrites rows a peer is still
+  reading, without any extra barrier.
+* the arrival counters, int32 [R] in symmetric memory: counter s on rank g counts the
+  segments sender s delivered to g, summed over all calls. They are never reset; a call's
+  target is epoch * segments-per-sender (so no reset can race a late increment).
+* local (non-symmetric) error record and the side stream the consumer runs on.
+
+The capacity only grows, and only by a collective decision every rank makes alike: the rows
+each rank will receive are known on every rank from the exchanged routing counts
+(`GatherRSMetadata.recv_rows_per_rank`), so all ranks grow at the same call.
+
+PyTorch symmetric memory (`torch.distributed._symmetric_memory`) does the allocation and the
+exchange of peer addresses (its rendezvous). Without a process group (world 1, or the
+Triton interpreter on CPU) plain local tensors stand in for it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _symmetric_tensor(shape, dtype, device, group):
+    """A zeroed tensor in symmetric memory and its peers' addresses as int64 [R] on device."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    tensor = symm_mem.empty(shape, dtype=dtype, device=device)
+    tensor.zero_()
+    name = group.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(name)
+    handle = symm_mem.rendezvous(tensor, name)
+    ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    return tensor, handle, ptrs
+
+
+class GatherRSWorkspace:
+    """Receive buffers, arrival counters and the side stream of one process group.
+
+    Args:
+        group: the tp_ep process group, or None for a single rank without a group.
+        hidden: H, columns of every row.
+        dtype: dtype of the rows that travel (the op's dtype).
+        device: the CUDA device of this rank (or CPU for the interpreter).
+
+    Raises:
+        ValueError: hidden < 1, or the group's size does not match `num_ranks`.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], *, hidden: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if hidden < 1:
+            raise ValueError(f"hidden={hidden} must be >= 1")
+        self.group = group
+        self.hidden = hidden
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_ranks = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.epoch = 0
+        self.capacity_rows = 0
+        self.compiled: set = set()  # kernel specialisations already warmed up
+        self.error = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._recv = None
+        self._recv_handle = None
+        self.peer_recv_ptrs: Optional[torch.Tensor] = None
+        if group is None:
+            self.signals = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self._sig_handle = None
+            self.peer_signal_ptrs = torch.tensor([self.signals.data_ptr()], dtype=torch.int64,
+                                                 device=self.device)
+        else:
+            self.signals, self._sig_handle, self.peer_signal_ptrs = _symmetric_tensor(
+                (self.num_ranks,), torch.int32, self.device, group
+            )
+        self._fixed_capacity = False
+        self._destroyed = False
+
+    @property
+    def recv(self) -> torch.Tensor:
+        """[2 * capacity_rows, H] receive buffer of this rank (both halves)."""
+        self._check_alive()
+        return self._recv
+
+    def ensure_capacity(self, rows: int) -> None:
+        """Grow the receive buffer to hold `rows` rows per half (collective when it grows).
+
+        Every rank must call this with the same `rows` (the maximum over ranks of
+        `recv_rows_per_rank`, which all ranks compute alike). Grows to at least twice the old
+        capacity so that slowly growing inputs reallocate rarely.
+        """
+        self._check_alive()
+        if rows <= self.capacity_rows and self._recv is not None:
+            return
+        if self._fixed_capacity:
+            raise ValueError(f"this workspace holds {self.capacity_rows} rows per half, the call "
+                             f"needs {rows}")
+        new_rows = max(rows, 2 * self.capacity_rows, 1)
+        shape = (2 * new_rows, self.hidden)
+        if self.group is None:
+            self._recv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.peer_recv_ptrs = torch.tensor([self._recv.data_ptr()], dtype=torch.int64,
+                                               device=self.device)
+        else:
+            torch.cuda.current_stream(self.device).synchronize()  # no kernel still uses the old
+            dist.barrier(group=self.group)
+            self._recv, self._recv_handle, self.peer_recv_ptrs = _symmetric_tensor(
+                shape, self.dtype, self.device, self.group
+            )
+        self.capacity_rows = new_rows
+
+    def next_epoch(self) -> int:
+        """Advance and return the call counter (1 for the first call)."""
+        self._check_alive()
+        self.epoch += 1
+        return self.epoch
+
+    def destroy(self) -> None:
+        """Release the buffers. The workspace cannot be used afterwards."""
+        if self._destroyed:
+            return
+        if self.group is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            dist.barrier(group=self.group)
+        self._recv = self._recv_handle = self._sig_handle = None
+        self.signals = self.peer_signal_ptrs = self.peer_recv_ptrs = None
+        self._destroyed = True
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("GatherRSWorkspace was destroyed; create a new one")
+
+
+def local_workspaces(num_ranks: int, *, hidden: int, dtype: torch.dtype, device,
+                     capacity_rows: int) -> list:
+    """`num_ranks` workspaces in one process whose peer tables point at each other.
+
+    The stand-in for symmetric memory when one process plays every rank (the Triton
+    interpreter on CPU, in tests): rank r's "peer" buffers are the other workspaces' local
+    tensors. Capacity is fixed; a call needing more raises ValueError.
+    """
+    spaces = [GatherRSWorkspace(None, hidden=hidden, dtype=dtype, device=device)
+              for _ in range(num_ranks)]
+    for rank, ws in enumerate(spaces):
+        ws.num_ranks, ws.rank = num_ranks, rank
+        ws.signals = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+        ws._recv = torch.zeros(2 * capacity_rows, hidden, dtype=dtype, device=device)
+        ws.capacity_rows, ws._fixed_capacity = capacity_rows, True
+    recv_ptrs = torch.tensor([ws._recv.data_ptr() for ws in spaces], dtype=torch.int64,
+                             device=device)
+    sig_ptrs = torch.tensor([ws.signals.data_ptr() for ws in spaces], dtype=torch.int64,
+                            device=device)
+    for ws in spaces:
+        ws.peer_recv_ptrs, ws.peer_signal_ptrs = recv_ptrs, sig_ptrs
+    return spaces
+
+
+_WORKSPACES: dict = {}
+
+
+def get_workspace(group: Optional[dist.ProcessGroup], *, hidden: int, dtype: torch.dtype,
+                  device: torch.device) -> GatherRSWorkspace:
+    """The process-wide workspace of (group, hidden, dtype, device), created on first use."""
+    key = (None if group is None else group.group_name, hidden, dtype, str(device))
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws._destroyed:
+        ws = GatherRSWorkspace(group, hidden=hidden, dtype=dtype, device=device)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def destroy_workspaces() -> None:
+    """Destroy every workspace `get_workspace` created (call on every rank)."""
+    for ws in _WORKSPACES.values():
+        ws.destroy()
+    _WORKSPACES.clear()

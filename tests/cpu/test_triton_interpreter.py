@@ -1,0 +1,108 @@
+"""The Triton kernels' logic on the CPU, in Triton's interpreter (TRITON_INTERPRET=1).
+
+One process plays every rank of a TP x EP layout: each rank's "peer" buffers are the other
+ranks' workspaces (`symm.local_workspaces`). All ranks send (producer, then consumer), then
+all finalize; outputs are checked against the dense formula, over several calls on the same
+workspaces with new routing, sizes and data each call (both receive-buffer halves, growing
+epochs). Concurrency and memory ordering are not exercised here (the interpreter runs one
+program at a time): the GPU tests cover them.
+
+Runs in a subprocess because the interpreter must be chosen before the kernels are defined.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT_TIMEOUT_S = 600
+
+
+def _cases():
+    import torch
+
+    from tests.support.op_problem import OpCase
+
+    layouts = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)]
+    cases = []
+    for tp, ep in layouts:
+        r = tp * ep
+        for call, (routing, experts, topk) in enumerate(
+            [("uniform", 4 * ep, 2), ("skewed", 2 * ep, 2), ("sparse", 4 * ep, 1)]
+        ):
+            tokens = [3 + 7 * ((g + call) % 3) for g in range(r)]
+            if call == 2:
+                tokens[0] = 0
+            cases.append(OpCase(tp, ep, num_experts=experts, topk=topk, tokens_per_rank=tokens,
+                                routing=routing, hidden=40, ffn=24, seed=call,
+                                dtype=torch.float32))
+    return cases
+
+
+def _simulate() -> dict:
+    """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
+    import torch
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.resource import Plan
+    from megatron_overlap.symm import local_workspaces
+    from tests.support.asserts import describe_mismatch
+    from tests.support.op_problem import dense_output, rank_operands
+
+    plan = Plan(num_comm_ctas=1, num_producer_ctas=1, source="test")
+    report, spaces = {}, {}
+    for case in _cases():
+        r = case.tp * case.ep
+        if (case.tp, case.ep) not in spaces:
+            spaces[(case.tp, case.ep)] = local_workspaces(
+                r, hidden=case.hidden, dtype=case.dtype, device="cpu", capacity_rows=256)
+        ws = spaces[(case.tp, case.ep)]
+        operands = [rank_operands(case, g) for g in range(r)]
+        calls = [_Call(h, w2, meta, ws[g], plan, timeout_s=30.0)
+                 for g, (h, w2, meta) in enumerate(operands)]
+        for call in calls:
+            call.send()
+        outs = [call.finish() for call in calls]
+        for g, out in enumerate(outs):
+            key = f"{case} rank {g}"
+            report[key] = describe_mismatch(out, dense_output(case, g), rel_tol=1e-5)
+    # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
+    case = _cases()[3]  # a 2-rank layout
+    ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
+                          capacity_rows=256)
+    h, w2, meta = rank_operands(case, 0)
+    call = _Call(h, w2, meta, ws[0], plan, timeout_s=0.02)
+    call.send()
+    try:
+        call.finish()
+        report["timeout"] = "no error raised"
+    except RuntimeError as err:
+        report["timeout"] = str(err)
+    return report
+
+
+def test_kernels_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.cpu.test_triton_interpreter"],
+        env=env, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    timeout_msg = report.pop("timeout")
+    assert "finalize timed out waiting for sender rank 1" in timeout_msg, timeout_msg
+    assert "tp_ep rank 0" in timeout_msg, timeout_msg
+    bad = {k: v for k, v in report.items() if v is not None}
+    assert not bad, bad
+    assert len(report) == sum(c.tp * c.ep for c in _cases())
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.exit("run with TRITON_INTERPRET=1")
+    print(json.dumps(_simulate()))

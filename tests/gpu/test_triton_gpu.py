@@ -1,0 +1,151 @@
+"""The Triton GEMM2 + GatherRS kernels on GPUs: against the reference, across calls, CTA
+counts and layouts, plus the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs.
+
+bf16 tolerance 2 ** -6 relative to the case's largest |output| (as the CPU suites): the
+kernels and the reference both round the GEMM2 rows and the pre-reduced rows to bf16, but
+the kernels' tensor-core dot accumulates in another order than cuBLAS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.cpu import test_megatron_flag as flag_suite
+from tests.support.asserts import describe_mismatch
+from tests.support.dist import run_distributed
+from tests.support.op_problem import OpCase, dense_output, rank_operands
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+BF16_TOL = 2.0**-6
+COMM_CTAS = (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+def _needs_gpus(world: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+
+
+def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0):
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import gemm2_gatherrs
+
+    h, w2, meta = rank_operands(case, rank)
+    h, w2, meta = h.cuda(), w2.cuda(), meta.to("cuda")
+    group = dist.group.WORLD if case.tp * case.ep > 1 else None
+    with torch.no_grad():
+        out = gemm2_gatherrs(h, w2, meta, group=group, options=GatherRSOptions(
+            backend="triton", num_comm_ctas=num_comm_ctas, timeout_s=timeout_s))
+        ref = gemm2_gatherrs(h, w2, meta, group=group,
+                             options=GatherRSOptions(backend="reference"))
+    return out, ref
+
+
+def _layouts(world: int):
+    return {1: [(1, 1)], 2: [(1, 2), (2, 1)]}[world]
+
+
+def _op_cases(world: int) -> list:
+    cases = []
+    for tp, ep in _layouts(world):
+        r = tp * ep
+        uneven = [700 + 333 * g for g in range(r)]
+        common = dict(hidden=512, ffn=256, dtype=torch.bfloat16)
+        cases += [
+            OpCase(tp, ep, num_experts=ep, topk=1, tokens_per_rank=uneven, **common),
+            OpCase(tp, ep, num_experts=4 * ep, topk=2, tokens_per_rank=uneven, **common),
+            OpCase(tp, ep, num_experts=64 * ep, topk=8, tokens_per_rank=uneven,
+                   routing="skewed", **common),
+            OpCase(tp, ep, num_experts=4 * ep, topk=2, tokens_per_rank=uneven,
+                   routing="sparse", **common),
+            OpCase(tp, ep, num_experts=4 * ep, topk=2, tokens_per_rank=[1] * r, **common),
+            OpCase(tp, ep, num_experts=8 * ep, topk=2, tokens_per_rank=[0] + [64] * (r - 1),
+                   **common),
+            OpCase(tp, ep, num_experts=8 * ep, topk=2, tokens_per_rank=uneven, hidden=4096,
+                   ffn=1024, dtype=torch.bfloat16),
+        ]
+    return cases
+
+
+def _op_worker(rank: int, world: int) -> dict:
+    report = {}
+    # Every case, every layout: against the reference and the dense formula.
+    for case in _op_cases(world):
+        out, ref = _run(case, rank)
+        report[f"{case} vs reference"] = describe_mismatch(out.cpu(), ref.cpu(),
+                                                           rel_tol=BF16_TOL)
+        report[f"{case} vs dense"] = describe_mismatch(out.cpu(), dense_output(case, rank),
+                                                       rel_tol=BF16_TOL)
+    # Same result, bit for bit, for every communication-CTA count.
+    case = _op_cases(world)[2]
+    first, _ = _run(case, rank, num_comm_ctas=COMM_CTAS[0])
+    for k in COMM_CTAS[1:]:
+        out, _ = _run(case, rank, num_comm_ctas=k)
+        report[f"k={k} bitwise equal to k={COMM_CTAS[0]}"] = (
+            None if torch.equal(out, first) else "differs")
+    # 200 consecutive calls, new routing, sizes and data each call, on the same workspace.
+    rng = random.Random(1234)  # same sequence on every rank: the layout must agree
+    for call in range(200):
+        tp, ep = _layouts(world)[call % len(_layouts(world))]
+        r = tp * ep
+        case = OpCase(tp, ep, num_experts=rng.choice([1, 2, 4, 8]) * ep,
+                      topk=1, tokens_per_rank=[rng.randint(0, 300) for _ in range(r)],
+                      routing=rng.choice(["uniform", "skewed", "sparse"]), hidden=256,
+                      ffn=128, dtype=torch.bfloat16, seed=call)
+        case = dataclasses.replace(case, topk=min(rng.randint(1, 4), case.num_experts))
+        out, ref = _run(case, rank, num_comm_ctas=rng.choice(COMM_CTAS))
+        report[f"call {call}: {case}"] = describe_mismatch(out.cpu(), ref.cpu(),
+                                                           rel_tol=BF16_TOL)
+    return report
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_triton_matches_reference(world):
+    _needs_gpus(world)
+    results = run_distributed(_op_worker, world, timeout_s=580, backend="nccl")
+    for rank, report in enumerate(results):
+        bad = {k: v for k, v in report.items() if v is not None}
+        assert not bad, (rank, bad)
+
+
+def _timeout_worker(rank: int, world: int) -> str:
+    from megatron_overlap.symm import destroy_workspaces
+
+    case = OpCase(1, 2, num_experts=4, topk=2, tokens_per_rank=[64, 64], hidden=256, ffn=128,
+                  dtype=torch.bfloat16)
+    _run(case, rank)  # compile + warm-up on both ranks
+    message = "rank 1 skipped the call"
+    if rank == 0:
+        try:
+            _run(case, rank, timeout_s=2.0)
+            message = "no error"
+        except RuntimeError as err:
+            message = str(err)
+    dist.barrier()
+    destroy_workspaces()
+    return message
+
+
+def test_timeout_names_rank_and_sender():
+    _needs_gpus(2)
+    messages = run_distributed(_timeout_worker, 2, timeout_s=300, backend="nccl")
+    assert "tp_ep rank 0" in messages[0], messages[0]
+    assert "waiting for sender rank 1" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_flag_on_triton_matches_flag_off(world):
+    _needs_gpus(world)
+    cases = [dataclasses.replace(c, dtype=torch.bfloat16, check_grads=False, backend="triton")
+             for c in flag_suite._cases(world) if not c.model]
+    results = run_distributed(flag_suite._worker, world, cases, timeout_s=400,
+                              backend="nccl", device="cuda")
+    flag_suite.check_results(world, cases, results)
