@@ -171,11 +171,16 @@ def _run_model_case(case: LayerCase, layout, device: str = "cpu") -> dict:
 
 def _worker(rank: int, world_size: int, cases: list, device: str = "cpu") -> list:
     """Run `cases` on this rank; `device="cuda"` (with the nccl backend) for the GPU tests."""
-    from tests.support.megatron_cpu import apply_cpu_patches, parallel_state
+    from tests.support.megatron_cpu import (
+        allow_sequence_parallel_torch_norm,
+        apply_cpu_patches,
+        parallel_state,
+    )
 
     if device == "cpu":
         apply_cpu_patches()
     else:
+        allow_sequence_parallel_torch_norm()  # no TE/apex on the GPU machines
         # Megatron's un-permute scatter-adds with atomics on CUDA unless deterministic
         # algorithms are on; "flag off is stock bit for bit" needs a fixed order there.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

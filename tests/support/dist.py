@@ -141,7 +141,12 @@ def run_distributed(
 
     import torch.distributed as dist  # deferred: importing torch costs seconds
 
-    ctx = _forkserver_context(fn.__module__)
+    # CUDA cannot be used in a process forked from one that initialised it (the forkserver
+    # may have, through Megatron's imports): GPU ranks are spawned afresh.
+    if backend == "nccl":
+        ctx = multiprocessing.get_context("spawn")
+    else:
+        ctx = _forkserver_context(fn.__module__)
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     payload = pickle.dumps((fn, args, kwargs))
     receivers: dict[multiprocessing.connection.Connection, int] = {}

@@ -59,6 +59,7 @@ __all__ = [
     "draw_expert_weights",
     "full_weight",
     "init_expert_weights",
+    "allow_sequence_parallel_torch_norm",
     "init_parallel_state",
     "parallel_state",
     "shard_weight",
@@ -329,11 +330,32 @@ def apply_cpu_patches() -> None:
     importlib.import_module("megatron.core.fusions.fused_softmax")
     _replace_function(transformer_utils.get_default_causal_mask, _cpu_default_causal_mask)
 
+    allow_sequence_parallel_torch_norm()
+    _applied = True
+
+
+_norm_patched = False
+
+
+def allow_sequence_parallel_torch_norm() -> None:
+    """Let Megatron's torch norm (the fallback without TE/apex) run with sequence parallel.
+
+    Idempotent, CPU or GPU. Without TE or apex, Megatron refuses a GPT layer with TP > 1 and
+    sequence parallel (torch_norm.py:50) because it cannot tag the norm's parameters for the
+    sequence-parallel gradient all-reduce; the forward pass is unaffected (see
+    `_torch_norm_new_allowing_sp`). GPU tests and the prefill launcher (forward only) need it
+    on the GPU machines, which have neither TE nor apex.
+    """
+    global _norm_patched
+    if _norm_patched:
+        return
+    from megatron.core.transformer import torch_norm
+
     norm_cls = torch_norm.WrappedTorchNorm
     original_new = norm_cls.__dict__["__new__"]
     original_new = getattr(original_new, "__func__", original_new)
     norm_cls.__new__ = staticmethod(_torch_norm_new_allowing_sp(original_new))
-    _applied = True
+    _norm_patched = True
 
 
 def _replace_function(original: Callable[..., Any], replacement: Callable[..., Any]) -> None:

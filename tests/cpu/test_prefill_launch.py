@@ -1,0 +1,238 @@
+"""launch/prefill.py end to end on the CPU, as a user runs it.
+
+* plain `python3 launch/prefill.py` (world 1) and `torchrun --standalone --nproc_per_node 2`
+  with (TP 1, EP 2) and (TP 2, EP 1, sequence parallel): tiny model, 2 layers, one short
+  sequence, 1 warm-up + 1 timed forward; exit status 0, the table on stdout, two well-formed
+  JSON rows (off, on) that agree;
+* a bad layout exits with status 2 and names the option;
+* a broken flag-on path (routed-expert output halved) exits with status 1;
+* `judge`, the agreement rule, on hand-made error reports.
+
+Each launch starts fresh processes (torch + Megatron imports, ~6 s of CPU each), so the
+launches are few and short; OMP_NUM_THREADS=1 keeps two ranks from fighting over 2 cores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "launch" / "prefill.py"
+SEQ = 32
+COMMON = [
+    "--device",
+    "cpu",
+    "--model",
+    "tiny",
+    "--num-layers",
+    "2",
+    "--seq-lengths",
+    str(SEQ),
+    "--warmup",
+    "1",
+    "--iters",
+    "1",
+]
+TIMEOUT_S = 180
+FP32_TOLERANCE = 1e-5  # launch/prefill.py TOLERANCE["fp32"]
+
+#: Wrapper that breaks the flag-on path (halves the routed experts' output of every fused MoE
+#: layer), then runs the launcher as __main__.
+BROKEN_FLAG_ON = """
+import runpy, sys
+from megatron_overlap.megatron.moe_layer import GatherRSMoELayer
+
+original = GatherRSMoELayer.routed_experts_compute
+
+def halved(self, hidden_states, probs):
+    output, bias = original(self, hidden_states, probs)
+    return (output * 0.5 if self.gatherrs else output), bias
+
+GatherRSMoELayer.routed_experts_compute = halved
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _env() -> dict:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _launch(tmp_path: Path, nproc: int, *args: str, script: Path = LAUNCHER):
+    """Run the launcher (world `nproc`); return (completed process, JSON rows written)."""
+    out = tmp_path / "prefill.jsonl"
+    if nproc == 1:
+        cmd = [sys.executable, str(script)]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+        ]
+    if script != LAUNCHER:
+        cmd.append(str(LAUNCHER))
+    cmd += [*COMMON, *args, "--out", str(out)]
+    proc = subprocess.run(
+        cmd,
+        check=False,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return proc, rows
+
+
+def _explain(proc: subprocess.CompletedProcess) -> str:
+    out, err = proc.stdout[-4000:], proc.stderr[-4000:]
+    return f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+
+
+def _check_row(row: dict, *, layout: str, dp: int, world_size: int) -> None:
+    on = row["variant"] == "on"
+    assert row["schema"] == "megatron_overlap.prefill/1"
+    assert (row["model"], row["num_layers"], row["layout"]) == ("tiny", 2, layout)
+    assert (row["world_size"], row["dp"], row["seq_length"]) == (world_size, dp, SEQ)
+    assert row["global_tokens"] == SEQ * dp
+    assert row["moe_gatherrs_overlap"] is on
+    assert row["backend"] == ("reference" if on else "megatron-alltoall")
+    assert row["fused_calls"] == (2 if on else 0)  # 1 timed forward x 2 fused MoE layers
+    assert row["fused_moe_layers"] == 2
+    assert len(row["ms_all"]) == 1
+    assert 0 < row["ms_p20"] <= row["ms_p50"] <= row["ms_p80"]
+    assert row["tokens_per_s"] == pytest.approx(SEQ * dp / (row["ms_p50"] / 1e3))
+    assert row["speedup_off_over_on"] > 0
+    assert row["dtype"] == "fp32" and row["reference"] == "none"
+    assert row["agree"] is True
+    assert row["errors"]["on_vs_off"]["max_rel_diff"] <= FP32_TOLERANCE
+    assert row["errors"]["moe1_on_vs_off"]["max_rel_diff"] <= FP32_TOLERANCE
+    assert row["errors"]["on_vs_off"]["tokens"] == SEQ * dp
+    assert row["errors"]["on_vs_off"]["nonfinite"] == 0
+    assert row["gpu"] == "cpu" and row["peak_mem_gib"] is None
+    assert row["torch"] == torch.__version__
+    assert row["megatron_core"].startswith("0.19")
+    assert isinstance(row["git_sha"], str) and row["git_sha"]
+    assert datetime.datetime.fromisoformat(row["timestamp"]).tzinfo is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc, layout_args, layout, dp",
+    [
+        (1, [], "tp1/ep1/dp1/sp0", 1),
+        (2, ["--tp", "1", "--ep", "2"], "tp1/ep2/dp2/sp0", 2),
+        (2, ["--tp", "2", "--ep", "1"], "tp2/ep1/dp1/sp1", 1),
+    ],
+    ids=["world1-python", "world2-tp1-ep2", "world2-tp2-ep1-sp"],
+)
+def test_prefill_launch(tmp_path, nproc, layout_args, layout, dp):
+    proc, rows = _launch(tmp_path, nproc, *layout_args)
+    assert proc.returncode == 0, _explain(proc)
+    assert "| model | layers | layout | seq | ms off | ms on |" in proc.stdout, _explain(proc)
+    assert f"| tiny | 2 | {layout} | {SEQ} |" in proc.stdout, _explain(proc)
+    assert "| yes |" in proc.stdout, _explain(proc)
+    assert sorted(row["variant"] for row in rows) == ["off", "on"], _explain(proc)
+    for row in rows:
+        _check_row(row, layout=layout, dp=dp, world_size=nproc)
+
+
+def test_bad_layout_exits_2(tmp_path):
+    proc, rows = _launch(tmp_path, 1, "--tp", "1", "--ep", "3")
+    assert proc.returncode == 2, _explain(proc)
+    assert "--ep 3" in proc.stderr and "world size 1" in proc.stderr, _explain(proc)
+    assert rows == []
+
+
+@pytest.mark.slow
+def test_broken_flag_on_path_exits_1(tmp_path):
+    wrapper = tmp_path / "broken_flag_on.py"
+    wrapper.write_text(BROKEN_FLAG_ON)
+    proc, rows = _launch(tmp_path, 1, script=wrapper)
+    assert proc.returncode == 1, _explain(proc)
+    assert "ERROR: flag on and off disagree" in proc.stderr, _explain(proc)
+    assert "| NO |" in proc.stdout, _explain(proc)
+    assert rows and not any(row["agree"] for row in rows)
+    on = next(row for row in rows if row["variant"] == "on")
+    assert on["errors"]["moe1_on_vs_off"]["max_rel_diff"] > 0.1
+
+
+# --------------------------------------------------------------------------------------
+# The agreement rule, without processes
+# --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _prefill_module():
+    """launch/prefill.py imported as a module (no side effects beyond sys.path)."""
+    spec = importlib.util.spec_from_file_location("prefill_launcher", LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _err(max_rel=0.0, fro=0.0, nonfinite=0):
+    return {"max_rel_diff": max_rel, "rel_fro_diff": fro, "nonfinite": nonfinite}
+
+
+def _errors(moe1=0.0, logits=0.0, logits_fro=0.0, off_ref=None, on_ref=None, nonfinite=0):
+    return {
+        "moe1_on_vs_off": _err(moe1),
+        "on_vs_off": _err(logits, logits_fro, nonfinite),
+        "off_vs_ref": None if off_ref is None else _err(fro=off_ref),
+        "on_vs_ref": None if on_ref is None else _err(fro=on_ref),
+    }
+
+
+@pytest.mark.parametrize(
+    "errors, dtype, agree",
+    [
+        (_errors(moe1=1e-7, logits=5e-7), "fp32", True),
+        (_errors(moe1=1e-7, logits=2e-5), "fp32", False),  # logits off by more than 1e-5
+        (_errors(moe1=2e-5, logits=5e-7), "fp32", False),  # first MoE layer off
+        (_errors(moe1=1e-7, logits=5e-7, nonfinite=1), "fp32", False),
+        # bf16 with the fp32 reference: routing flips make max rel diff large; the
+        # Frobenius error against fp32 decides, within 2x of flag off's.
+        (_errors(moe1=7e-3, logits=0.4, off_ref=4e-2, on_ref=5e-2), "bf16", True),
+        (_errors(moe1=7e-3, logits=0.4, off_ref=4e-2, on_ref=9e-2), "bf16", False),
+        (_errors(moe1=0.1, logits=0.4, off_ref=4e-2, on_ref=4e-2), "bf16", False),
+        (_errors(moe1=0.0, logits=0.0, off_ref=0.0, on_ref=1e-4), "bf16", True),  # floor
+        # bf16 without a reference: coarse Frobenius bound on on vs off.
+        (_errors(moe1=7e-3, logits=0.4, logits_fro=3e-2), "bf16", True),
+        (_errors(moe1=7e-3, logits=0.4, logits_fro=0.5), "bf16", False),
+    ],
+)
+def test_judge(errors, dtype, agree):
+    verdict, criterion = _prefill_module().judge(errors, dtype)
+    assert verdict is agree, criterion
+    assert "first MoE layer" in criterion
+
+
+def test_percentile():
+    percentile = _prefill_module().percentile
+    assert percentile([3.0], 20) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0, 5.0], 50) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 20) == pytest.approx(1.8)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 80) == pytest.approx(4.2)
