@@ -105,8 +105,18 @@ def gemm2_gatherrs_reference(
 
     rows = [int(n) for n in meta.tokens_per_local_expert]
     y = torch.cat([h_l @ w2[l].t() for l, h_l in enumerate(torch.split(h, rows))])
-    send = gather_slots(y, meta.gather_index).to(h.dtype)
+    return gatherrs_reference(y, meta, group)
 
+
+def gatherrs_reference(
+    y: torch.Tensor, meta: GatherRSMetadata, group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
+    """Steps 2-4 of `gemm2_gatherrs_reference` on GEMM2 outputs y [N, H]: gather (pre-reduce),
+    return all-to-all / reduce-scatter of the slots, finalize. Returns [T, H] in y's dtype.
+
+    Also the "pre-reduced, not overlapped" baseline of the operator benchmark (DESIGN.md §5).
+    """
+    send = gather_slots(y, meta.gather_index).to(y.dtype)
     if meta.group_size > 1:
         recv = send.new_empty(int(meta.recv_slots.sum()), send.shape[1])
         recv = dist_fn.all_to_all_single(
@@ -119,11 +129,11 @@ def gemm2_gatherrs_reference(
     else:
         recv = send
 
-    out = torch.zeros(meta.num_tokens, w2.shape[1], dtype=torch.float32, device=h.device)
+    out = torch.zeros(meta.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
     offset = 0
     for n in meta.recv_slots:
         n = int(n)
         index = meta.recv_token_index[offset : offset + n]
         out = out.index_add(0, index, recv[offset : offset + n].float())
         offset += n
-    return out.to(h.dtype)
+    return out.to(y.dtype)

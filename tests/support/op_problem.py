@@ -14,7 +14,7 @@ from typing import List, Sequence
 
 import torch
 
-from megatron_overlap.metadata import build_metadata, chunk_to_group_rank, source_slots
+from megatron_overlap.bench import workloads
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,8 @@ class OpCase:
 
 def routing_maps(case: OpCase) -> List[torch.Tensor]:
     """[T_g, E] bool routing map of every rank g (group order)."""
-    gen = torch.Generator().manual_seed(case.seed)
-    maps = []
-    for num_tokens in case.tokens_per_rank:
-        scores = torch.rand(num_tokens, case.num_experts, generator=gen)
-        if case.routing == "skewed":
-            scores[: (num_tokens + 1) // 2 + num_tokens // 4, 0] += 2.0  # expert 0: most tokens
-        elif case.routing == "sparse":
-            scores[:, 1::2] -= 2.0  # odd experts receive no token (if topk <= E/2)
-        top = scores.topk(case.topk, dim=1).indices
-        maps.append(torch.zeros(num_tokens, case.num_experts, dtype=torch.bool).scatter_(
-            1, top, True))
-    return maps
+    return workloads.routing_maps(case.tokens_per_rank, case.num_experts, case.topk,
+                                  case.routing, case.seed)
 
 
 def global_tensors(case: OpCase):
@@ -74,35 +64,14 @@ def rank_operands(case: OpCase, rank: int, tensors=None):
     `tensors` replaces `global_tensors(case)` (same structure), e.g. to lay out gradients.
     """
     tp_rank, ep_rank = rank % case.tp, rank // case.tp
-    group_size = case.tp * case.ep
     num_local = case.num_experts // case.ep
     maps, h_full, w2 = global_tensors(case) if tensors is None else tensors
     shard = slice(tp_rank * case.ffn, (tp_rank + 1) * case.ffn)
-    slots = [source_slots(m, case.ep) for m in maps]
-    counts = torch.stack(
-        [torch.cat([m.sum(0), s[2]]) for m, s in zip(maps, slots)]
-    ).numpy()
-
-    rows, row_slot = [], []
-    for local in range(num_local):
-        e = ep_rank * num_local + local
-        for chunk in range(group_size):
-            g = chunk_to_group_rank(chunk, case.tp, case.ep)
-            m, slot_all = maps[g], slots[g][0]
-            start = int(m.sum(0)[:e].sum())
-            tokens = m[:, e].nonzero().view(-1)
-            rows.append(h_full[g][e, tokens][:, shard])
-            row_slot.append(slot_all[start : start + tokens.numel()])
-    h = torch.cat(rows).to(case.dtype)
-    meta = build_metadata(
-        counts=counts,
-        row_slot=torch.cat(row_slot),
-        dest_token_mask=slots[rank][1],
-        tp_size=case.tp,
-        tp_rank=tp_rank,
-        ep_size=case.ep,
-        ep_rank=ep_rank,
-        topk=case.topk,
-    )
+    rows = workloads.rank_rows(maps, tp=case.tp, ep=case.ep, rank=rank, topk=case.topk)
+    expert = ep_rank * num_local + rows.row_expert
+    h = torch.stack([h_full[g][e, t] for g, e, t in
+                     zip(rows.row_source.tolist(), expert.tolist(), rows.row_token.tolist())]
+                    + [torch.zeros(case.ffn * case.tp)])[:-1]  # (the zero row: N may be 0)
+    h = h[:, shard].to(case.dtype)
     w2_local = w2[ep_rank * num_local : (ep_rank + 1) * num_local, :, shard].to(case.dtype)
-    return h, w2_local.contiguous(), meta
+    return h, w2_local.contiguous(), rows.meta

@@ -1,0 +1,261 @@
+"""Operator benchmark of GEMM2 + GatherRS (DESIGN.md §5), side by side in one run.
+
+    source scripts/device_setup.sh && torchrun --standalone --nproc_per_node 2 \
+        launch/bench_op.py --out $OUT/bench_op.jsonl
+
+For each workload (model expert shapes x tokens per rank x layout EP=R or TP=R), on the same
+inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
+  gemm          FC2 alone: torch grouped GEMM (F.grouped_mm; a per-expert loop if absent)
+  megatron      (a) non-overlapped as Megatron: grouped GEMM, then the collective on routed
+                rows (EP all-to-all / TP reduce-scatter), then the un-permute (index_add)
+  prereduced    (b) non-overlapped, pre-reduced: grouped GEMM, local top-k gather, the
+                collective on the reduced rows, finalize (`reference.gatherrs_reference`)
+  ours_nocomm   (d) our producer kernel alone (communication off)
+  ours          the fused Triton op, host work and error check included
+  bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
+Ratios printed: (a)/ours, (b)/ours, ours/bound, gemm/ours_nocomm (producer efficiency).
+Every rank runs the same workload list; rank 0 prints and writes. Routing: "uniform" (default)
+or "skewed" (see megatron_overlap.bench.workloads), fixed seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_overlap.bench.workloads import rank_rows, routing_maps
+from megatron_overlap.config import GatherRSOptions
+from megatron_overlap.models import load_model_shape
+from megatron_overlap.ops import gemm2_gatherrs
+from megatron_overlap.reference import gatherrs_reference
+
+MODELS = ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "phi-3.5-moe", "qwen3-30b-a3b",
+          "deepseek-v2-lite")
+
+
+_GROUPED_MM = [hasattr(F, "grouped_mm")]
+
+
+def grouped_gemm(h, w2, rows_per_expert, offs):
+    """y [N, H] = h @ w2[l]^T per local expert: torch's grouped GEMM (F.grouped_mm), or a
+    per-expert loop where it is missing or refuses the shapes (said once on stdout)."""
+    if _GROUPED_MM[0]:
+        try:
+            return F.grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        except RuntimeError as err:
+            _GROUPED_MM[0] = False
+            print(f"F.grouped_mm refused ({err}); the gemm baseline is a per-expert loop")
+    return torch.cat([h_l @ w2[l].t() for l, h_l in enumerate(torch.split(h, rows_per_expert))])
+
+
+def timed(fn, warmup: int, iters: int):
+    """p20/p50/p80 milliseconds of fn() on the GPU, ranks lined up before every run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+    return {"p20": q[1], "p50": statistics.median(times), "p80": q[7]}
+
+
+def peer_bandwidth_gbps(device, num_bytes: int = 1 << 30) -> float:
+    """Copy-engine bandwidth of one rank storing into its neighbour's symmetric buffer."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buf = symm_mem.empty(num_bytes // 2, dtype=torch.bfloat16, device=device)
+    handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    peer = handle.get_buffer((rank + 1) % world, (num_bytes // 2,), torch.bfloat16)
+    src = torch.randn(num_bytes // 2, device=device).to(torch.bfloat16)
+    t = timed(lambda: peer.copy_(src), warmup=3, iters=10)
+    dist.barrier()
+    return num_bytes / (t["p50"] * 1e-3) / 1e9
+
+
+def megatron_combine(y, rows, tp, ep, hidden, num_tokens, group):
+    """(a): the routed rows go back un-reduced (EP all-to-all or TP reduce-scatter), then the
+    source scatter-adds them into its tokens (Megatron's combine_preprocess, token_combine,
+    combine_postprocess, without the unsort copy)."""
+    if tp > 1:  # rows are the same on all TP ranks; reduce-scatter partials by source
+        splits = [int((rows.row_source == g).sum()) for g in range(tp)]
+        order = torch.argsort(rows.row_source_dev, stable=True)
+        parts = list(y.index_select(0, order).split(splits))
+        out_rows = y.new_empty(splits[dist.get_rank()], hidden)
+        dist.reduce_scatter(out_rows, parts, group=group)
+    else:
+        splits_in = [int((rows.row_source == g).sum()) for g in range(ep)]
+        order = torch.argsort(rows.row_source_dev, stable=True)
+        out_rows = y.new_empty(rows.recv_rows, hidden)
+        dist.all_to_all_single(out_rows, y.index_select(0, order), rows.recv_splits, splits_in,
+                               group=group)
+    out = torch.zeros(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    return out.index_add_(0, rows.recv_token, out_rows)
+
+
+def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) -> list:
+    shape = load_model_shape(model)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, ep = (1, world) if layout == "ep" else (world, 1)
+    hidden, ffn = shape.hidden_size, shape.moe_ffn_hidden_size // tp
+    experts, topk = shape.num_moe_experts, shape.moe_router_topk
+    tokens_per_rank = [tokens] * world
+    maps = routing_maps(tokens_per_rank, experts, topk, args.routing, seed=args.seed)
+    rows = rank_rows(maps, tp=tp, ep=ep, rank=rank, topk=topk)
+    meta = rows.meta.to(device)
+    num_local = experts // ep
+    gen = torch.Generator(device=device).manual_seed(rank)
+    n = int(meta.tokens_per_local_expert.sum())
+    h = (torch.randn(n, ffn, generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(num_local, hidden, ffn, generator=gen, device=device)
+          / ffn**0.5).to(torch.bfloat16)
+    rows_per_expert = [int(x) for x in meta.tokens_per_local_expert]
+    offs = torch.tensor(rows_per_expert, device=device).cumsum(0).to(torch.int32)
+
+    # (a)'s index data: the source's rows in its permute order (expert-major, token asc).
+    expert_of, token_of = maps[rank].T.nonzero(as_tuple=True)
+    extra = argparse.Namespace(
+        row_source=rows.row_source, row_source_dev=rows.row_source.to(device),
+        recv_token=token_of.to(device), recv_rows=int(token_of.numel()),
+        recv_splits=[int(((expert_of // num_local) == j).sum()) for j in range(ep)],
+    )
+
+    group = dist.group.WORLD
+    opts = GatherRSOptions(backend="triton", timeout_s=30.0)
+    results = {}
+    with torch.no_grad():
+        y = grouped_gemm(h, w2, rows_per_expert, offs)
+        results["gemm"] = timed(lambda: grouped_gemm(h, w2, rows_per_expert, offs),
+                                args.warmup, args.iters)
+        results["megatron"] = timed(lambda: megatron_combine(
+            grouped_gemm(h, w2, rows_per_expert, offs), extra, tp, ep, hidden,
+            tokens, group), args.warmup, args.iters)
+        results["prereduced"] = timed(lambda: gatherrs_reference(
+            grouped_gemm(h, w2, rows_per_expert, offs), meta, group), args.warmup, args.iters)
+        out = gemm2_gatherrs(h, w2, meta, group=group, options=opts)  # compiles, warms up
+        ref = gatherrs_reference(y, meta, group)
+        err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+        results["ours"] = timed(lambda: gemm2_gatherrs(h, w2, meta, group=group, options=opts),
+                                args.warmup, args.iters)
+        from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+        from megatron_overlap.resource import plan_gemm2_gatherrs
+        from megatron_overlap.symm import get_workspace
+
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms)
+        ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
+        call = _Call(h, w2, meta, ws, plan, 30.0)
+        call.send()
+        call.finish()  # keep the ranks' epochs in step
+
+        def producer_only():
+            call.tile_counter.zero_()
+            call.seg_done.zero_()
+            call.producer(plan.num_producer_ctas)
+
+        results["ours_nocomm"] = timed(producer_only, args.warmup, args.iters)
+
+    remote = sum(int(meta.send_slots[g]) for g in range(world) if g != rank)
+    remote_bytes = remote * hidden * 2
+    comm_ms = remote_bytes / (bandwidth * 1e9) * 1e3
+    results["bound"] = {k: max(results["gemm"][k], comm_ms) for k in ("p20", "p50", "p80")}
+    flops = 2.0 * n * ffn * hidden
+    common = dict(model=model, tokens_per_rank=tokens, layout=f"{layout}{world}",
+                  routing=args.routing, hidden=hidden, ffn_per_rank=ffn, local_experts=num_local,
+                  topk=topk, rows=n, remote_bytes=remote_bytes, max_rel_err_vs_prereduced=err,
+                  gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
+    # every rank's p50 -> the slowest rank is the op's time
+    rows_out = []
+    for provider, t in results.items():
+        vals = torch.tensor([t["p20"], t["p50"], t["p80"]], device=device)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        rows_out.append(dict(common, provider=provider, p20_ms=float(vals[0]),
+                             p50_ms=float(vals[1]), p80_ms=float(vals[2])))
+    return rows_out
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def table(rows: list) -> str:
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["tokens_per_rank"], r["layout"]), {})[r["provider"]] = r
+    lines = ["| model | tokens/rank | layout | gemm ms | (a) ms | (b) ms | ours ms | nocomm ms "
+             "| bound ms | (a)/ours | (b)/ours | ours/bound | gemm/nocomm | rel err |",
+             "|" + "---|" * 14]
+    for (model, tokens, layout), p in by.items():
+        g = {k: v["p50_ms"] for k, v in p.items()}
+        lines.append(
+            f"| {model} | {tokens} | {layout} | {g['gemm']:.3f} | {g['megatron']:.3f} | "
+            f"{g['prereduced']:.3f} | {g['ours']:.3f} | {g['ours_nocomm']:.3f} | "
+            f"{g['bound']:.3f} | {g['megatron'] / g['ours']:.2f} | "
+            f"{g['prereduced'] / g['ours']:.2f} | {g['ours'] / g['bound']:.2f} | "
+            f"{g['gemm'] / g['ours_nocomm']:.2f} | {p['ours']['max_rel_err_vs_prereduced']:.1e} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--layouts", nargs="+", choices=("ep", "tp"), default=["ep", "tp"])
+    parser.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench_op.jsonl")
+    args = parser.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    bandwidth = peer_bandwidth_gbps(device)
+    rows = []
+    info = dict(gpu=torch.cuda.get_device_name(device), world=dist.get_world_size(),
+                peer_bandwidth_gbps=bandwidth, git_sha=git_sha(),
+                timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                torch=torch.__version__)
+    for model in args.models:
+        for layout in args.layouts:
+            for tokens in args.tokens:
+                new = run_workload(model, tokens, layout, args, device, bandwidth)
+                rows += [dict(r, **info) for r in new]
+                if dist.get_rank() == 0:
+                    ours = [r for r in new if r["provider"] == "ours"][0]
+                    print(f"{model} {layout} {tokens}: ours {ours['p50_ms']:.3f} ms", flush=True)
+    if dist.get_rank() == 0:
+        print(f"peer bandwidth (copy engine, 1 GiB): {bandwidth:.0f} GB/s")
+        print(table(rows))
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Benchmark support: synthetic routed workloads, timing, result rows."""
