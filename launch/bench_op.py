@@ -164,8 +164,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         call.finish()  # keep the ranks' epochs in step
 
         def producer_only():
-            call.tile_counter.zero_()
-            call.seg_done.zero_()
+            call.counters.zero_()
             call.producer(plan.num_producer_ctas)
 
         results["ours_nocomm"] = timed(producer_only, args.warmup, args.iters)

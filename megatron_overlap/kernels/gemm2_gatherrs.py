@@ -116,57 +116,73 @@ def _producer_kernel(
         t = tl.atomic_add(tile_counter_ptr, 1)
 
 
-@triton.jit(do_not_specialize=["num_segs", "my_rank", "recv_row_base", "timeout_ns"])
+@triton.jit(do_not_specialize=["num_items", "my_rank", "recv_row_base", "timeout_ns"])
 def _consumer_kernel(
-    y_ptr, gather_ptr, segs_ptr, num_segs, seg_done_ptr, peer_recv_ptrs, peer_sig_ptrs,
-    my_rank, recv_row_base, H, stride_y, timeout_ns, err_ptr,
-    K: tl.constexpr, BS: tl.constexpr, SW: tl.constexpr, USE_TIMER: tl.constexpr,
+    y_ptr, gather_ptr, segs_ptr, items_ptr, num_items, seg_done_ptr, seg_sent_ptr,
+    peer_recv_ptrs, peer_sig_ptrs, my_rank, recv_row_base, H, stride_y, timeout_ns, err_ptr,
+    K: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    USE_TIMER: tl.constexpr,
 ):
-    """Gather + send every segment this CTA owns (segments pid, pid + k, ...).
+    """Gather + send the work items this CTA owns (items pid, pid + k, ...).
 
-    segs: int32 [num_segs, 6] = (destination rank g, column start c0, expected tiles,
-    first slot s0, slot count, row offset of this sender in g's receive buffer).
-    gather: int64 [S, K] local rows per slot, -1 padded.
+    items: int32 [num_items, 4] = (segment, first slot, end slot, items of the segment).
+    segs: int32 [num_segs, 7] = (destination rank g, column start c0, expected tiles,
+    first slot s0, slot count, row offset of this sender in g's receive buffer, columns).
+    gather: int64 [S, K] local rows per slot, -1 padded. The K rows of BS slots are loaded
+    at once ([BS, KP, BN], all in flight) and summed in fp32. The last item of a segment to
+    finish (an acq_rel counter) signals the destination (release, system scope): the chain
+    of acq_rel increments carries every item's peer stores to that signal.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    cols_in = tl.arange(0, SW)
-    for i in range(pid, num_segs, nprog):
-        entry = segs_ptr + i * 6
+    ks = tl.arange(0, KP)
+    cols_in = tl.arange(0, BN)
+    for it in range(pid, num_items, nprog):
+        item = items_ptr + it * 4
+        seg = tl.load(item + 0)
+        lo = tl.load(item + 1)
+        hi = tl.load(item + 2)
+        seg_items = tl.load(item + 3)
+        entry = segs_ptr + seg * 7
         dest = tl.load(entry + 0)
         c0 = tl.load(entry + 1)
         expected = tl.load(entry + 2)
         s0 = tl.load(entry + 3)
-        num_slots = tl.load(entry + 4)
         dest_row = tl.load(entry + 5)
-        seen = _wait_at_least(seg_done_ptr + i, expected, timeout_ns, "gpu", USE_TIMER)
+        width = tl.load(entry + 6)
+        seen = _wait_at_least(seg_done_ptr + seg, expected, timeout_ns, "gpu", USE_TIMER)
         failed = seen < expected
         if failed:
             tl.store(err_ptr + 0, _ERR_CONSUMER_WAIT)
-            tl.store(err_ptr + 1, i)
+            tl.store(err_ptr + 1, seg)
             tl.store(err_ptr + 2, seen.to(tl.int64))
             tl.store(err_ptr + 3, expected.to(tl.int64))
         else:
             dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(y_ptr.dtype.element_ty))
-            cols = c0 + cols_in
-            col_ok = cols < H
-            for sb in range(0, num_slots, BS):
+            for sb in range(lo, hi, BS):
                 local = sb + tl.arange(0, BS)
-                valid = local < num_slots
+                valid = local < hi
                 slots = (s0 + local).to(tl.int64)
-                acc = tl.zeros((BS, SW), dtype=tl.float32)
-                for k in range(K):
-                    rows = tl.load(gather_ptr + slots * K + k, mask=valid, other=-1)
-                    v = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :],
-                                mask=(rows[:, None] >= 0) & col_ok[None, :], other=0.0)
-                    acc += v.to(tl.float32)
+                idx = tl.load(gather_ptr + slots[:, None] * K + ks[None, :],
+                              mask=valid[:, None] & (ks[None, :] < K), other=-1)
                 out_rows = (recv_row_base + dest_row + local).to(tl.int64)
-                tl.store(dst + out_rows[:, None] * H + cols[None, :],
-                         acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
-        tl.debug_barrier()  # every thread's peer stores before the arrival signal
-        sig = tl.load(peer_sig_ptrs + dest).to(tl.pointer_type(tl.int32))
-        bump = tl.where(failed, 1 + _ERROR_BIT, 1)
-        tl.atomic_add(sig + my_rank, bump, sem="release", scope="sys")
+                for cb in range(0, width, BN):
+                    cols = c0 + cb + cols_in
+                    col_ok = (cols < c0 + width) & (cols < H)
+                    v = tl.load(y_ptr + idx[:, :, None] * stride_y + cols[None, None, :],
+                                mask=(idx[:, :, None] >= 0) & col_ok[None, None, :], other=0.0)
+                    acc = tl.sum(v.to(tl.float32), axis=1)
+                    tl.store(dst + out_rows[:, None] * H + cols[None, :],
+                             acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+        tl.debug_barrier()  # every thread's peer stores before the count
+        # Low 16 bits count finished items; a failed item also adds 1 << 16, so the last
+        # item knows whether any item of the segment failed.
+        inc = tl.where(failed, 1 + 65536, 1)
+        before = tl.atomic_add(seg_sent_ptr + seg, inc, sem="acq_rel", scope="sys")
+        if (before & 65535) == seg_items - 1:
+            sig = tl.load(peer_sig_ptrs + dest).to(tl.pointer_type(tl.int32))
+            bump = tl.where(before + inc >= 65536, 1 + _ERROR_BIT, 1)
+            tl.atomic_add(sig + my_rank, bump, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_senders", "target", "timeout_ns"])

@@ -26,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import triton
 import torch.distributed as dist
 
 from megatron_overlap.kernels import gemm2_gatherrs as k
@@ -35,8 +36,9 @@ from megatron_overlap.symm import GatherRSWorkspace
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 """Producer tile (rows x hidden columns x ffn depth) on the GPU."""
-SLOT_BLOCK = 32
-"""Slots the consumer sums per step (x BLOCK_N columns)."""
+GATHER_ROWS = 128
+"""Rows of y one consumer step loads at once (slots x padded contributions), all in flight
+together: the gather is latency-bound, so its memory-level parallelism sets its speed."""
 FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
 
@@ -56,14 +58,28 @@ class Schedule:
     """Host-built work lists of one call.
 
     tiles: int32 [num_tiles, 5] (local expert, row start, row end, column start, segment).
-    segments: int32 [num_segments, 6] (destination rank, column start, expected tiles,
-        first slot, slot count, row offset of this sender in the destination's buffer).
+    segments: int32 [num_segments, 7] (destination rank, column start, expected tiles,
+        first slot, slot count, row offset of this sender in the destination's buffer,
+        column width).
+    items: int32 [num_items, 4] consumer work items (segment, first slot, end slot (both
+        relative to the segment), items of that segment); every segment has >= 1 item.
     splits: column splits per destination (segments per sender per destination).
     """
 
     tiles: np.ndarray
     segments: np.ndarray
+    items: np.ndarray
     splits: int
+
+
+SEGMENT_COLUMNS = 1024
+"""Target width of a segment's column split. Within a segment the producer walks row block by
+row block across the split's column blocks, so each A row block is read once per split (not
+once per BN-wide block): 4 reads of h at H = 4096 instead of 32 (measured on 2x H200, Mixtral
+EP=2, 4096 tokens/rank: producer 2.61 ms at 128-wide segments vs 1.37 ms for torch's grouped
+GEMM)."""
+SLOTS_PER_ITEM = 256
+"""Slots of one consumer work item (it sweeps the segment's columns BN at a time)."""
 
 
 def destination_order(rank: int, num_ranks: int):
@@ -71,43 +87,62 @@ def destination_order(rank: int, num_ranks: int):
     return [(rank + d) % num_ranks for d in range(1, num_ranks)] + [rank]
 
 
-def build_schedule(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> Schedule:
-    """The producer tiles and consumer segments of one call, in priority order."""
+def split_columns(hidden: int, bn: int, target: int = SEGMENT_COLUMNS):
+    """(splits, width): `hidden` cut into `splits` column splits of `width` (a multiple of bn;
+    the last one is masked at `hidden`)."""
+    splits = max(1, -(-hidden // max(target, bn)))
+    width = -(-(-(-hidden // splits)) // bn) * bn
+    return -(-hidden // width), width
+
+
+def build_schedule(meta: GatherRSMetadata, hidden: int, bm: int, bn: int,
+                   slots_per_item: int = SLOTS_PER_ITEM) -> Schedule:
+    """The producer tiles, segments and consumer items of one call, in priority order."""
     group_size = meta.group_size
     rank = meta.ep_rank * meta.tp_size + meta.tp_rank
     counts = meta.rows_per_expert_per_chunk  # [L, R] chunk order
     row_start = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
-    splits = -(-hidden // bn)
+    splits, width = split_columns(hidden, bn)
+    blocks_per_split = width // bn
 
-    # Row blocks of each destination: (expert, r0, r1), never crossing an (expert, chunk).
+    # Row blocks of each destination, (expert, r0, r1), never crossing an (expert, chunk).
     blocks = {}
     for chunk in range(group_size):
         dest = chunk_to_group_rank(chunk, meta.tp_size, meta.ep_size)
-        rows = []
-        for expert in range(meta.num_local_experts):
-            n, r0 = int(counts[expert, chunk]), int(row_start[expert, chunk])
-            for b in range(0, n, bm):
-                rows.append((expert, r0 + b, r0 + min(b + bm, n)))
-        blocks[dest] = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        n = counts[:, chunk]
+        per_expert = -(-n // bm)
+        expert = np.repeat(np.arange(len(n)), per_expert)
+        first = np.repeat(np.cumsum(per_expert) - per_expert, per_expert)
+        r0 = row_start[expert, chunk] + (np.arange(len(expert)) - first) * bm
+        r1 = np.minimum(r0 + bm, row_start[expert, chunk] + n[expert])
+        blocks[dest] = np.stack([expert, r0, r1], axis=1)
 
     slot_start = np.concatenate([[0], np.cumsum(meta.send_slots)[:-1]])
     order = destination_order(rank, group_size)
     remote, local = order[:-1], order[-1:]
     seg_keys = [(d, j) for j in range(splits) for d in remote] + [(d, j) for d in local
                                                                    for j in range(splits)]
-    tiles, segments = [], []
+    tiles, segments, items = [], [], []
     for seg, (dest, j) in enumerate(seg_keys):
         b = blocks[dest]
-        t = np.empty((len(b), 5), dtype=np.int64)
-        t[:, :3] = b
-        t[:, 3] = j * bn
+        c0 = j * width
+        n_blocks = min(blocks_per_split, -(-(hidden - c0) // bn))
+        t = np.empty((len(b) * n_blocks, 5), dtype=np.int64)
+        t[:, :3] = np.repeat(b, n_blocks, axis=0)  # row block by row block across the split
+        t[:, 3] = c0 + np.tile(np.arange(n_blocks) * bn, len(b))
         t[:, 4] = seg
         tiles.append(t)
-        segments.append((dest, j * bn, len(b), slot_start[dest], meta.send_slots[dest],
-                         meta.dest_row_offsets[dest]))
+        num_slots = int(meta.send_slots[dest])
+        segments.append((dest, c0, len(t), slot_start[dest], num_slots,
+                         meta.dest_row_offsets[dest], min(width, hidden - c0)))
+        lo = np.arange(0, max(num_slots, 1), slots_per_item)
+        items.append(np.stack([np.full_like(lo, seg), lo,
+                               np.minimum(lo + slots_per_item, num_slots),
+                               np.full_like(lo, len(lo))], axis=1))
     tiles = np.concatenate(tiles) if tiles else np.zeros((0, 5), dtype=np.int64)
-    return Schedule(tiles.astype(np.int32), np.array(segments, dtype=np.int32).reshape(-1, 6),
-                    splits)
+    return Schedule(tiles.astype(np.int32),
+                    np.array(segments, dtype=np.int64).reshape(-1, 7).astype(np.int32),
+                    np.concatenate(items).astype(np.int32), splits)
 
 
 def finalize_index(meta: GatherRSMetadata, row_base: int, device) -> torch.Tensor:
@@ -162,12 +197,15 @@ class _Call:
         self.row_base, self.target = row_base, self.epoch * self.schedule.splits
         self.tiles = torch.from_numpy(self.schedule.tiles).to(device)
         self.segs = torch.from_numpy(self.schedule.segments).to(device)
+        self.items = torch.from_numpy(self.schedule.items).to(device)
         self.index = finalize_index(meta, row_base, device)
         self.h, self.w2 = h.contiguous(), w2.contiguous()
         self.y = torch.empty(h.shape[0], hidden, dtype=h.dtype, device=device)
-        counters = torch.zeros(len(self.schedule.segments) + 1, dtype=torch.int32,
-                               device=device)
-        self.seg_done, self.tile_counter = counters[1:], counters[:1]
+        num_segs = len(self.schedule.segments)
+        counters = torch.zeros(2 * num_segs + 1, dtype=torch.int32, device=device)
+        self.counters = counters  # zeroed per call: tile claim, tiles done, items sent
+        self.tile_counter = counters[:1]
+        self.seg_done, self.seg_sent = counters[1 : 1 + num_segs], counters[1 + num_segs :]
         self.out = torch.empty(meta.num_tokens, hidden, dtype=h.dtype, device=device)
         self.rank = meta.ep_rank * meta.tp_size + meta.tp_rank
 
@@ -182,12 +220,14 @@ class _Call:
 
     def consumer(self, grid: int) -> None:
         ws = self.ws
+        num_contrib = self.meta.gather_index.shape[1]
+        kp = triton.next_power_of_2(num_contrib)
         k._consumer_kernel[(grid,)](
-            self.y, self.meta.gather_index, self.segs, len(self.schedule.segments),
-            self.seg_done, ws.peer_recv_ptrs, ws.peer_signal_ptrs, self.rank, self.row_base,
-            self.hidden, self.y.stride(0), self.timeout, ws.error,
-            K=self.meta.gather_index.shape[1], BS=SLOT_BLOCK if self.gpu else 8, SW=self.bn,
-            USE_TIMER=self.gpu, num_warps=4,
+            self.y, self.meta.gather_index, self.segs, self.items, len(self.schedule.items),
+            self.seg_done, self.seg_sent, ws.peer_recv_ptrs, ws.peer_signal_ptrs, self.rank,
+            self.row_base, self.hidden, self.y.stride(0), self.timeout, ws.error,
+            K=num_contrib, KP=kp, BS=max(8, GATHER_ROWS // kp) if self.gpu else 8,
+            BN=self.bn, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4,
         )
 
     def finalize(self) -> None:
