@@ -11,7 +11,7 @@ One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
 * the arrival counters, int32 [R] in symmetric memory: counter s on rank g counts the
   segments sender s delivered to g, summed over all calls. They are never reset; a call's
   target is epoch * segments-per-sender (so no reset can race a late increment).
-* local (non-symmetric) error record and the side stream the consumer runs on.
+* the local (non-symmetric) error record the kernels write on a timeout.
 
 The capacity only grows, and only by a collective decision every rank makes alike: the rows
 each rank will receive are known on every rank from the exchanged routing counts
@@ -45,7 +45,7 @@ def _symmetric_tensor(shape, dtype, device, group):
 
 
 class GatherRSWorkspace:
-    """Receive buffers, arrival counters and the side stream of one process group.
+    """Receive buffers, arrival counters and the error record of one process group.
 
     Args:
         group: the tp_ep process group, or None for a single rank without a group.
@@ -71,7 +71,6 @@ class GatherRSWorkspace:
         self.capacity_rows = 0
         self.compiled: set = set()  # kernel specialisations already warmed up
         self.error = torch.zeros(4, dtype=torch.int64, device=self.device)
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._recv = None
         self._recv_handle = None
         self.peer_recv_ptrs: Optional[torch.Tensor] = None

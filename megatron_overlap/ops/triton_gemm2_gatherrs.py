@@ -1,21 +1,20 @@
 """Launcher of the tile-signaled Triton GEMM2 + GatherRS kernels.
 
-Shape symbols as in `megatron_overlap.metadata`; BM x BN is the producer's output tile, and
-one *segment* is (destination rank, BN-wide column split).
+Shape symbols as in `megatron_overlap.metadata`; BM x BN is the GEMM2 output tile, and one
+*segment* is (destination rank, column split).
 
 Per call, on this rank (DESIGN.md §3):
-  1. host: the schedule: producer tiles in priority order (segment by segment, the remote
-     destinations round-robin split by split, this rank's own segments last) and the segment
-     table the consumer walks in the same order;
-  2. main stream: zero the per-segment tile counters, record an event;
-     side stream: wait for it, launch the consumer (k CTAs);
-     main stream: launch the producer (the plan's CTAs), then finalize;
-     main stream waits for the side stream's end, so later work (and the caching allocator)
-     sees every buffer of this call released;
+  1. host: the schedule: one work queue of GEMM2 tiles, segment by segment (the remote
+     destinations round-robin split by split, this rank's own segments last, each segment
+     row block by row block across its split), with each segment's gather items placed
+     `GATHER_LAG` segments after its tiles;
+  2. current stream: zero the counters, launch `_fused_kernel` (one CTA per SM; at most the
+     plan's communication CTAs in the peer-store role at once), then `_finalize_kernel`;
   3. read the error record; a non-zero code raises RuntimeError naming rank, segment/sender,
      the value seen and the value waited for.
 
-Without CUDA (the Triton interpreter) the three kernels run one after another on one rank.
+Without CUDA (the Triton interpreter) the kernels run with one program each (a gather item
+then never waits: the tiles before it in the queue are done).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from megatron_overlap.symm import GatherRSWorkspace
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 """Producer tile (rows x hidden columns x ffn depth) on the GPU."""
 GATHER_ROWS = 128
-"""Rows of y one consumer step loads at once (slots x padded contributions), all in flight
+"""Rows of y one gather step loads at once (slots x padded contributions), all in flight
 together: the gather is latency-bound, so its memory-level parallelism sets its speed."""
 FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
@@ -57,29 +56,38 @@ def tile_shape(device: torch.device):
 class Schedule:
     """Host-built work lists of one call.
 
-    tiles: int32 [num_tiles, 5] (local expert, row start, row end, column start, segment).
+    entries: int32 [num_entries, 5], the work queue: a GEMM2 tile (local expert, row start,
+        row end, column start, segment) or a gather item (-1, item index, 0, 0, 0).
     segments: int32 [num_segments, 7] (destination rank, column start, expected tiles,
         first slot, slot count, row offset of this sender in the destination's buffer,
         column width).
-    items: int32 [num_items, 4] consumer work items (segment, first slot, end slot (both
-        relative to the segment), items of that segment); every segment has >= 1 item.
+    items: int32 [num_items, 4] gather items (segment, first slot, end slot (both relative
+        to the segment), items of that segment); every segment has >= 1 item.
     splits: column splits per destination (segments per sender per destination).
     """
 
-    tiles: np.ndarray
+    entries: np.ndarray
     segments: np.ndarray
     items: np.ndarray
     splits: int
 
+    @property
+    def num_tiles(self) -> int:
+        return int((self.entries[:, 0] >= 0).sum())
+
+
+GATHER_LAG = 2
+"""Segments between a segment's last GEMM2 tile and its first gather item in the queue, so
+that a gather item rarely waits for tiles still in flight."""
 
 SEGMENT_COLUMNS = 1024
-"""Target width of a segment's column split. Within a segment the producer walks row block by
-row block across the split's column blocks, so each A row block is read once per split (not
-once per BN-wide block): 4 reads of h at H = 4096 instead of 32 (measured on 2x H200, Mixtral
-EP=2, 4096 tokens/rank: producer 2.61 ms at 128-wide segments vs 1.37 ms for torch's grouped
-GEMM)."""
+"""Target width of a segment's column split. Within a segment the tiles go row block by row
+block across the split's column blocks, so h is read once per split rather than once per
+BN-wide block (4 times at H = 4096 instead of 32). Predicted to close the producer's gap to
+torch's grouped GEMM (2.61 ms vs 1.37 ms, Mixtral shapes, 4096 tokens/rank, H200); measured:
+2.57 ms, so h re-reads were not the cause (notes: docs/perf_notes.md)."""
 SLOTS_PER_ITEM = 256
-"""Slots of one consumer work item (it sweeps the segment's columns BN at a time)."""
+"""Slots of one gather item (it sweeps the segment's columns BN at a time)."""
 
 
 def destination_order(rank: int, num_ranks: int):
@@ -97,7 +105,7 @@ def split_columns(hidden: int, bn: int, target: int = SEGMENT_COLUMNS):
 
 def build_schedule(meta: GatherRSMetadata, hidden: int, bm: int, bn: int,
                    slots_per_item: int = SLOTS_PER_ITEM) -> Schedule:
-    """The producer tiles, segments and consumer items of one call, in priority order."""
+    """The work queue, segments and gather items of one call, in priority order."""
     group_size = meta.group_size
     rank = meta.ep_rank * meta.tp_size + meta.tp_rank
     counts = meta.rows_per_expert_per_chunk  # [L, R] chunk order
@@ -123,6 +131,7 @@ def build_schedule(meta: GatherRSMetadata, hidden: int, bm: int, bn: int,
     seg_keys = [(d, j) for j in range(splits) for d in remote] + [(d, j) for d in local
                                                                    for j in range(splits)]
     tiles, segments, items = [], [], []
+    item_base = 0
     for seg, (dest, j) in enumerate(seg_keys):
         b = blocks[dest]
         c0 = j * width
@@ -139,8 +148,20 @@ def build_schedule(meta: GatherRSMetadata, hidden: int, bm: int, bn: int,
         items.append(np.stack([np.full_like(lo, seg), lo,
                                np.minimum(lo + slots_per_item, num_slots),
                                np.full_like(lo, len(lo))], axis=1))
-    tiles = np.concatenate(tiles) if tiles else np.zeros((0, 5), dtype=np.int64)
-    return Schedule(tiles.astype(np.int32),
+    queue = []
+    item_refs = []
+    for seg_items in items:
+        refs = np.zeros((len(seg_items), 5), dtype=np.int64)
+        refs[:, 0] = -1
+        refs[:, 1] = item_base + np.arange(len(seg_items))
+        item_base += len(seg_items)
+        item_refs.append(refs)
+    for seg in range(len(seg_keys)):
+        queue.append(tiles[seg])
+        if seg >= GATHER_LAG:
+            queue.append(item_refs[seg - GATHER_LAG])
+    queue += item_refs[max(0, len(seg_keys) - GATHER_LAG):]
+    return Schedule(np.concatenate(queue).astype(np.int32),
                     np.array(segments, dtype=np.int64).reshape(-1, 7).astype(np.int32),
                     np.concatenate(items).astype(np.int32), splits)
 
@@ -158,6 +179,19 @@ def finalize_index(meta: GatherRSMetadata, row_base: int, device) -> torch.Tenso
     return index
 
 
+_allocator_set = False
+
+
+def _ensure_allocator() -> None:
+    """Device-side TMA descriptors (`tl.make_tensor_descriptor`) need Triton's scratch
+    allocator; it takes memory from PyTorch's caching allocator."""
+    global _allocator_set
+    if not _allocator_set:
+        triton.set_allocator(
+            lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _allocator_set = True
+
+
 def _raise_on_error(ws: GatherRSWorkspace, schedule: Schedule, epoch: int) -> None:
     code, where, seen, expected = (int(x) for x in ws.error.tolist())
     if code == 0:
@@ -165,13 +199,16 @@ def _raise_on_error(ws: GatherRSWorkspace, schedule: Schedule, epoch: int) -> No
     rank = ws.rank
     if code == k.ERR_CONSUMER_WAIT:
         dest, col = int(schedule.segments[where, 0]), int(schedule.segments[where, 1])
-        what = (f"the consumer timed out on segment {where} (destination rank {dest}, columns "
-                f"{col}..): {seen} of {expected} producer tiles done")
+        what = (f"a gather item timed out on segment {where} (destination rank {dest}, columns "
+                f"{col}..): {seen} of {expected} GEMM2 tiles done")
+    elif code == k.ERR_COMM_SLOT:
+        what = (f"a gather item of segment {where} waited too long for one of {seen} "
+                "communication CTA slots")
     elif code == k.ERR_FINALIZE_WAIT:
         what = (f"finalize timed out waiting for sender rank {where}: arrival counter {seen}, "
                 f"expected >= {expected} (call {epoch})")
     else:
-        what = (f"sender rank {where} reported a failed consumer (arrival counter {seen}, "
+        what = (f"sender rank {where} reported a failed gather (arrival counter {seen}, "
                 f"call {epoch})")
     ws.error.zero_()
     raise RuntimeError(f"gemm2_gatherrs (Triton) on tp_ep rank {rank}: {what}. The workspace "
@@ -179,7 +216,7 @@ def _raise_on_error(ws: GatherRSWorkspace, schedule: Schedule, epoch: int) -> No
 
 
 class _Call:
-    """One call's buffers and launches: `send` (producer + consumer), then `finalize`."""
+    """One call's buffers and launches: `send` (the fused kernel), then `finish` (finalize)."""
 
     def __init__(self, h, w2, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan,
                  timeout_s: float) -> None:
@@ -195,39 +232,47 @@ class _Call:
         self.epoch = ws.next_epoch()
         row_base = (self.epoch % 2) * ws.capacity_rows
         self.row_base, self.target = row_base, self.epoch * self.schedule.splits
-        self.tiles = torch.from_numpy(self.schedule.tiles).to(device)
+        self.entries = torch.from_numpy(self.schedule.entries).to(device)
         self.segs = torch.from_numpy(self.schedule.segments).to(device)
         self.items = torch.from_numpy(self.schedule.items).to(device)
         self.index = finalize_index(meta, row_base, device)
         self.h, self.w2 = h.contiguous(), w2.contiguous()
         self.y = torch.empty(h.shape[0], hidden, dtype=h.dtype, device=device)
         num_segs = len(self.schedule.segments)
-        counters = torch.zeros(2 * num_segs + 1, dtype=torch.int32, device=device)
-        self.counters = counters  # zeroed per call: tile claim, tiles done, items sent
-        self.tile_counter = counters[:1]
-        self.seg_done, self.seg_sent = counters[1 : 1 + num_segs], counters[1 + num_segs :]
+        # Zeroed per call: entry claim, CTAs communicating, unused, tiles done per segment,
+        # items finished per segment.
+        self.counters = torch.zeros(3 + 2 * num_segs, dtype=torch.int32, device=device)
         self.out = torch.empty(meta.num_tokens, hidden, dtype=h.dtype, device=device)
         self.rank = meta.ep_rank * meta.tp_size + meta.tp_rank
 
-    def producer(self, grid: int) -> None:
-        h, w2, y = self.h, self.w2, self.y
-        k._producer_kernel[(grid,)](
-            h, w2, y, self.tiles, len(self.schedule.tiles), self.tile_counter, self.seg_done,
-            h.shape[1], self.hidden, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            BM=self.bm, BN=self.bn, BK=self.bk, num_warps=8 if self.gpu else 4,
-            num_stages=3 if self.gpu else 1,
-        )
+    def gemm_only(self, grid: int) -> None:
+        """The GEMM2 tiles alone (communication off), for the benchmark's producer timing;
+        zeroes the counters first. The call must not be finished afterwards."""
+        tiles = self.entries[self.entries[:, 0] >= 0].contiguous()
+        saved = self.entries
+        self.entries = tiles
+        try:
+            self.counters.zero_()
+            self.fused(grid, max_comm=1, num_entries=len(tiles))
+        finally:
+            self.entries = saved
 
-    def consumer(self, grid: int) -> None:
-        ws = self.ws
+    def fused(self, grid: int, max_comm: int, num_entries: Optional[int] = None) -> None:
+        """Launch `_fused_kernel` on `grid` CTAs (counters must be zero)."""
+        ws, h, w2, y = self.ws, self.h, self.w2, self.y
         num_contrib = self.meta.gather_index.shape[1]
         kp = triton.next_power_of_2(num_contrib)
-        k._consumer_kernel[(grid,)](
-            self.y, self.meta.gather_index, self.segs, self.items, len(self.schedule.items),
-            self.seg_done, self.seg_sent, ws.peer_recv_ptrs, ws.peer_signal_ptrs, self.rank,
-            self.row_base, self.hidden, self.y.stride(0), self.timeout, ws.error,
-            K=num_contrib, KP=kp, BS=max(8, GATHER_ROWS // kp) if self.gpu else 8,
-            BN=self.bn, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4,
+        k._fused_kernel[(grid,)](
+            h, w2, y, self.entries,
+            len(self.schedule.entries) if num_entries is None else num_entries, self.counters,
+            len(self.schedule.segments), self.meta.gather_index, self.segs, self.items,
+            ws.peer_recv_ptrs, ws.peer_signal_ptrs, self.rank, self.row_base, max_comm,
+            max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0), w2.stride(0),
+            w2.stride(1), y.stride(0), self.timeout, ws.error,
+            BM=self.bm, BN=self.bn, BK=self.bk, K=num_contrib, KP=kp,
+            BS=max(8, GATHER_ROWS // kp) if self.gpu else 8, USE_TMA=self.gpu,
+            USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4,
+            num_stages=3 if self.gpu else 1,
         )
 
     def finalize(self) -> None:
@@ -241,39 +286,26 @@ class _Call:
         )
 
     def send(self) -> None:
-        """Producer + consumer; concurrent on two streams on the GPU."""
+        """GEMM2 tiles and gather items, all in one persistent launch."""
         plan, ws = self.plan, self.ws
-        num_producer = plan.num_producer_ctas or 1
         if not self.gpu:
-            self.producer(1)
-            self.consumer(1)
+            self.fused(1, max_comm=1)
             return
-        main = torch.cuda.current_stream(self.device)
+        _ensure_allocator()
+        grid = plan.num_ctas or 1
         key = (self.h.dtype, self.meta.gather_index.shape[1], self.hidden, self.h.shape[1])
+        self.fused(grid, plan.num_comm_ctas)
         if key not in ws.compiled:
-            # First call of this specialisation: the kernels run one after another so that
-            # their JIT compilation never races a spinning kernel; then the ranks line up.
-            self.producer(num_producer)
-            self.consumer(plan.num_comm_ctas)
-            main.synchronize()
+            # First call of this specialisation: line the ranks up after their JIT
+            # compilation, so that no rank's finalize waits out another's compile.
+            torch.cuda.current_stream(self.device).synchronize()
             if ws.group is not None:
                 dist.barrier(group=ws.group)
             ws.compiled.add(key)
-            return
-        ready = torch.cuda.Event()
-        ready.record(main)
-        ws.side_stream.wait_event(ready)
-        with torch.cuda.stream(ws.side_stream):
-            self.consumer(plan.num_comm_ctas)
-        self.producer(num_producer)
 
     def finish(self) -> torch.Tensor:
         """Finalize, join the side stream, raise on a recorded timeout; returns [T, H]."""
         self.finalize()
-        if self.gpu:
-            done = torch.cuda.Event()
-            done.record(self.ws.side_stream)
-            torch.cuda.current_stream(self.device).wait_event(done)
         _raise_on_error(self.ws, self.schedule, self.epoch)
         return self.out
 

@@ -22,14 +22,15 @@ class Plan:
     """One launch's resource split.
 
     Attributes:
-        num_comm_ctas: CTAs of the communication (consumer) kernel.
-        num_producer_ctas: CTAs of the persistent producer GEMM, or None when the SM count is
-            unknown (CPU / reference backend).
+        num_comm_ctas: the most CTAs of the fused kernel that may be in the communication
+            role (gathering and storing to peers) at once: the SM partition.
+        num_ctas: grid of the fused persistent kernel (one CTA per SM), or None when the SM
+            count is unknown (CPU / reference backend).
         source: "override" (options.num_comm_ctas), or "fixed" (DEFAULT_NUM_COMM_CTAS).
     """
 
     num_comm_ctas: int
-    num_producer_ctas: Optional[int]
+    num_ctas: Optional[int]
     source: str
 
 
@@ -44,17 +45,14 @@ def plan_gemm2_gatherrs(
         num_sms: streaming multiprocessors of the GPU, if known.
 
     Raises:
-        ValueError: the override leaves no SM for the producer.
+        ValueError: the override exceeds the SM count.
     """
     del meta  # the fixed plan does not look at the routing yet
     source = "fixed" if options.num_comm_ctas is None else "override"
     num_comm = DEFAULT_NUM_COMM_CTAS if options.num_comm_ctas is None else options.num_comm_ctas
-    num_producer = None
-    if num_sms is not None:
-        if num_comm >= num_sms:
-            raise ValueError(
-                f"moe_gatherrs_num_comm_ctas={num_comm} leaves no SM for the producer on a GPU "
-                f"with {num_sms} SMs; expected < {num_sms}"
-            )
-        num_producer = num_sms - num_comm
-    return Plan(num_comm_ctas=num_comm, num_producer_ctas=num_producer, source=source)
+    if num_sms is not None and num_comm > num_sms:
+        raise ValueError(
+            f"moe_gatherrs_num_comm_ctas={num_comm} exceeds the GPU's {num_sms} SMs; expected "
+            f"1..{num_sms}"
+        )
+    return Plan(num_comm_ctas=num_comm, num_ctas=num_sms, source=source)

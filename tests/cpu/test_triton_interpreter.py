@@ -53,7 +53,7 @@ def _simulate() -> dict:
     from tests.support.asserts import describe_mismatch
     from tests.support.op_problem import dense_output, rank_operands
 
-    plan = Plan(num_comm_ctas=1, num_producer_ctas=1, source="test")
+    plan = Plan(num_comm_ctas=1, num_ctas=1, source="test")
     report, spaces = {}, {}
     for case in _cases():
         r = case.tp * case.ep
