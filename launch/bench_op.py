@@ -21,6 +21,7 @@ or "skewed" (see megatron_overlap.bench.workloads), fixed seed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -221,8 +222,11 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_op.jsonl")
+    parser.add_argument("--stack-dump-s", type=float, default=300.0,
+                        help="print every thread's stack each this many seconds (stuck runs)")
     args = parser.parse_args()
 
+    faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)  # a stuck run says where
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
@@ -239,8 +243,9 @@ def main() -> int:
                 new = run_workload(model, tokens, layout, args, device, bandwidth)
                 rows += [dict(r, **info) for r in new]
                 if dist.get_rank() == 0:
-                    ours = [r for r in new if r["provider"] == "ours"][0]
-                    print(f"{model} {layout} {tokens}: ours {ours['p50_ms']:.3f} ms", flush=True)
+                    g = {r["provider"]: r["p50_ms"] for r in new}
+                    print(f"{model} {layout} {tokens}: " + " ".join(
+                        f"{k} {v:.3f}" for k, v in g.items()), flush=True)
     if dist.get_rank() == 0:
         print(f"peer bandwidth (copy engine, 1 GiB): {bandwidth:.0f} GB/s")
         print(table(rows))
