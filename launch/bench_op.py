@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_overlap.bench.report import plot, table
 from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions
 from megatron_overlap.models import load_model_shape
@@ -194,24 +195,6 @@ def git_sha() -> str:
         return "unknown"
 
 
-def table(rows: list) -> str:
-    by = {}
-    for r in rows:
-        by.setdefault((r["model"], r["tokens_per_rank"], r["layout"]), {})[r["provider"]] = r
-    lines = ["| model | tokens/rank | layout | gemm ms | (a) ms | (b) ms | ours ms | nocomm ms "
-             "| bound ms | (a)/ours | (b)/ours | ours/bound | gemm/nocomm | rel err |",
-             "|" + "---|" * 14]
-    for (model, tokens, layout), p in by.items():
-        g = {k: v["p50_ms"] for k, v in p.items()}
-        lines.append(
-            f"| {model} | {tokens} | {layout} | {g['gemm']:.3f} | {g['megatron']:.3f} | "
-            f"{g['prereduced']:.3f} | {g['ours']:.3f} | {g['ours_nocomm']:.3f} | "
-            f"{g['bound']:.3f} | {g['megatron'] / g['ours']:.2f} | "
-            f"{g['prereduced'] / g['ours']:.2f} | {g['ours'] / g['bound']:.2f} | "
-            f"{g['gemm'] / g['ours_nocomm']:.2f} | {p['ours']['max_rel_err_vs_prereduced']:.1e} |")
-    return "\n".join(lines)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
@@ -253,6 +236,10 @@ def main() -> int:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+        try:
+            plot(rows, os.path.splitext(args.out)[0] + ".png")
+        except ImportError:
+            print("matplotlib missing: no plot")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,93 @@
+"""Tables and plots of the operator benchmark's JSON rows (`launch/bench_op.py`).
+
+    python3 -m megatron_overlap.bench.report results/bench_op.jsonl --plot bench_op.png
+
+Row schema (one JSON object per line, one row per (workload, provider)): model,
+tokens_per_rank, layout ("ep2", "tp2", ...), routing, hidden, ffn_per_rank, local_experts,
+topk, rows, remote_bytes, provider ("gemm", "megatron", "prereduced", "ours", "ours_nocomm",
+"bound"), p20_ms / p50_ms / p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps,
+git_sha, timestamp, torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Dict, List, Tuple
+
+PROVIDERS = ("gemm", "megatron", "prereduced", "ours", "ours_nocomm", "bound")
+
+
+def load_rows(path: str) -> List[dict]:
+    """The JSON rows of a .jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def by_workload(rows: List[dict]) -> Dict[Tuple, Dict[str, float]]:
+    """{(model, tokens_per_rank, layout): {provider: p50_ms}}, in first-seen order; a later
+    run of the same workload and provider replaces an earlier one."""
+    out: Dict[Tuple, Dict[str, float]] = {}
+    for r in rows:
+        out.setdefault((r["model"], r["tokens_per_rank"], r["layout"]), {})[r["provider"]] = (
+            r["p50_ms"])
+    return out
+
+
+def table(rows: List[dict]) -> str:
+    """Markdown table: p50 times and the ratios the targets are stated in."""
+    lines = ["| model | tokens/rank | layout | gemm ms | (a) megatron ms | (b) prereduced ms | "
+             "ours ms | ours no-comm ms | bound ms | (a)/ours | (b)/ours | ours/bound | "
+             "gemm/no-comm |", "|" + "---|" * 13]
+    for (model, tokens, layout), g in by_workload(rows).items():
+        if not all(p in g for p in PROVIDERS):
+            continue
+        lines.append(
+            f"| {model} | {tokens} | {layout} | {g['gemm']:.3f} | {g['megatron']:.3f} | "
+            f"{g['prereduced']:.3f} | {g['ours']:.3f} | {g['ours_nocomm']:.3f} | "
+            f"{g['bound']:.3f} | {g['megatron'] / g['ours']:.2f} | "
+            f"{g['prereduced'] / g['ours']:.2f} | {g['ours'] / g['bound']:.2f} | "
+            f"{g['gemm'] / g['ours_nocomm']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: str) -> None:
+    """Bar chart: every provider's p50 over the lower bound, per workload (lower is better)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(k, g) for k, g in by_workload(rows).items() if all(p in g for p in PROVIDERS)]
+    shown = ("megatron", "prereduced", "ours", "ours_nocomm")
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(groups)), 4))
+    width = 0.8 / len(shown)
+    for i, provider in enumerate(shown):
+        xs = [j + i * width for j in range(len(groups))]
+        ax.bar(xs, [g[provider] / g["bound"] for _, g in groups], width, label=provider)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"{m}\n{t} {lay}" for (m, t, lay), _ in groups], rotation=60,
+                       ha="right", fontsize=7)
+    ax.set_ylabel("p50 time / lower bound")
+    ax.set_title("GEMM2 + GatherRS operator (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Table (and plot) of bench_op JSON rows")
+    parser.add_argument("jsonl")
+    parser.add_argument("--plot", help="write a PNG bar chart here")
+    args = parser.parse_args()
+    rows = load_rows(args.jsonl)
+    print(table(rows))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
