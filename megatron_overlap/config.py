@@ -28,13 +28,15 @@ class GatherRSOptions:
 
     backend: str = "auto"
     """`"reference"`: plain PyTorch + torch.distributed collectives (any device, any
-    process-group backend, autograd-capable). `"triton"`: the tile-signaled fused kernels
-    (CUDA with peer access). `"auto"`: the Triton path where it can run, else the reference
-    path with a one-time warning saying why."""
+    process-group backend, autograd-capable). `"triton"`: the tile-signaled fused kernel
+    (CUDA, bf16/fp16, forward only, the tp_ep group on one node with peer access). `"auto"`:
+    the Triton path where it can run, else the reference path with a one-time warning
+    saying why."""
 
     num_comm_ctas: Optional[int] = None
-    """Override of the number of communication CTAs (the consumer's SM partition). `None`
-    lets the resource manager choose before every launch."""
+    """Override of the communication CTAs: the most CTAs of the fused kernel that gather and
+    store to peers at once (the SM partition). `None` lets the resource manager choose
+    before every launch."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on every GPU spin-wait, in seconds; on expiry the op raises `RuntimeError`

@@ -41,7 +41,7 @@ class GatherRSTransformerConfig(TransformerConfig):
     """`"auto"`, `"triton"` or `"reference"` (see `GatherRSOptions.backend`)."""
 
     moe_gatherrs_num_comm_ctas: Optional[int] = None
-    """Communication CTAs; `None` lets the resource manager choose before every launch."""
+    """Most CTAs storing to peers at once; `None`: the resource manager's choice per launch."""
 
     moe_gatherrs_timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on every GPU spin-wait of the fused kernels, in seconds."""
