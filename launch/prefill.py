@@ -115,10 +115,11 @@ parallel layout (pipeline parallel is 1):
   Global tokens per forward = seq * micro-batch * DP (the tokens/s column).
   --sequence-parallel is on by default when TP > 1 (Megatron requires it for training;
   prefill/eval also runs without it: --no-sequence-parallel).
-  Heads, query groups and FFN widths must divide by TP, experts by EP (tiny has 2 query
-  groups, so TP 4 needs another model; any YAML path works for --model).
+  Heads, query groups and FFN widths must divide by TP, experts by EP (any YAML path works
+  for --model).
 device: --device auto picks CUDA when available (NCCL, bf16, GPU init), else CPU (gloo,
-  fp32, CPU init, tests/support/megatron_cpu.py patches - never loaded on GPU runs).
+  fp32, CPU init, tests/support/megatron_cpu.py patches; on GPU only its
+  allow_sequence_parallel_torch_norm, with SP, since there is no TE/apex norm there).
 output: rank 0 prints a markdown table and appends one JSON row per (model, layout, seq,
   variant) to --out. Exit status: 0 flag on and off agree at every sequence length (see
   judge() in this file), 1 they disagree somewhere, 2 bad arguments.
