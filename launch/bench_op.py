@@ -12,6 +12,8 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
                 collective on the reduced rows, finalize (`reference.gatherrs_reference`)
   ours_nocomm   (d) our fused kernel with its GEMM2 tiles only (communication off)
   ours          the fused Triton op, host work and error check included
+  ours_host     (breakdown) host-side construction of one call (schedule, tables, copies)
+  ours_finalize (breakdown) the finalize kernel alone (arrivals already in)
   bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
 Ratios printed: (a)/ours, (b)/ours, ours/bound, gemm/ours_nocomm (producer efficiency).
 Every rank runs the same workload list; rank 0 prints and writes. Routing: "uniform" (default)
@@ -161,10 +163,19 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms)
         ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
-        call = _Call(h, w2, meta, ws, plan, 30.0)
-        call.send()
-        call.finish()  # keep the ranks' epochs in step
-
+        host_ms = []
+        for _ in range(args.iters):  # host work of one call: schedule, tables, copies
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            call = _Call(h, w2, meta, ws, plan, 30.0)
+            torch.cuda.synchronize()
+            host_ms.append((time.perf_counter() - start) * 1e3)
+            call.send()
+            call.finish()  # keep the ranks' epochs in step
+        results["ours_host"] = {"p20": min(host_ms), "p50": statistics.median(host_ms),
+                                "p80": max(host_ms)}
+        # The last call's arrivals are all in: finalize again = its summing alone.
+        results["ours_finalize"] = timed(call.finalize, args.warmup, args.iters)
         results["ours_nocomm"] = timed(lambda: call.gemm_only(plan.num_ctas), args.warmup,
                                        args.iters)
 

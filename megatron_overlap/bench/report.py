@@ -5,7 +5,7 @@
 Row schema (one JSON object per line, one row per (workload, provider)): model,
 tokens_per_rank, layout ("ep2", "tp2", ...), routing, hidden, ffn_per_rank, local_experts,
 topk, rows, remote_bytes, provider ("gemm", "megatron", "prereduced", "ours", "ours_nocomm",
-"bound"), p20_ms / p50_ms / p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps,
+"bound", and the breakdown rows "ours_host", "ours_finalize" where present), p20_ms / p50_ms / p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps,
 git_sha, timestamp, torch.
 """
 
@@ -34,11 +34,15 @@ def by_workload(rows: List[dict]) -> Dict[Tuple, Dict[str, float]]:
     return out
 
 
+def _fmt(ms) -> str:
+    return "-" if ms is None else f"{ms:.3f}"
+
+
 def table(rows: List[dict]) -> str:
     """Markdown table: p50 times and the ratios the targets are stated in."""
     lines = ["| model | tokens/rank | layout | gemm ms | (a) megatron ms | (b) prereduced ms | "
              "ours ms | ours no-comm ms | bound ms | (a)/ours | (b)/ours | ours/bound | "
-             "gemm/no-comm |", "|" + "---|" * 13]
+             "gemm/no-comm | host ms | finalize ms |", "|" + "---|" * 15]
     for (model, tokens, layout), g in by_workload(rows).items():
         if not all(p in g for p in PROVIDERS):
             continue
@@ -47,7 +51,8 @@ def table(rows: List[dict]) -> str:
             f"{g['prereduced']:.3f} | {g['ours']:.3f} | {g['ours_nocomm']:.3f} | "
             f"{g['bound']:.3f} | {g['megatron'] / g['ours']:.2f} | "
             f"{g['prereduced'] / g['ours']:.2f} | {g['ours'] / g['bound']:.2f} | "
-            f"{g['gemm'] / g['ours_nocomm']:.2f} |")
+            f"{g['gemm'] / g['ours_nocomm']:.2f} | {_fmt(g.get('ours_host'))} | "
+            f"{_fmt(g.get('ours_finalize'))} |")
     return "\n".join(lines)
 
 
