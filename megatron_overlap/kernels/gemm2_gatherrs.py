@@ -44,14 +44,14 @@ import triton.language as tl
 ERROR_BIT = 1 << 30
 """Added to an arrival counter by a sender whose consumer failed."""
 
-ERR_CONSUMER_WAIT = 1
+ERR_TILES_WAIT = 1
 ERR_FINALIZE_WAIT = 2
 ERR_SENDER_FAILED = 3
 ERR_COMM_SLOT = 4
 
 # The same values as kernel constants (jit'ed code only reads constexpr globals).
 _ERROR_BIT = tl.constexpr(ERROR_BIT)
-_ERR_CONSUMER_WAIT = tl.constexpr(ERR_CONSUMER_WAIT)
+_ERR_TILES_WAIT = tl.constexpr(ERR_TILES_WAIT)
 _ERR_FINALIZE_WAIT = tl.constexpr(ERR_FINALIZE_WAIT)
 _ERR_SENDER_FAILED = tl.constexpr(ERR_SENDER_FAILED)
 _ERR_COMM_SLOT = tl.constexpr(ERR_COMM_SLOT)
@@ -138,7 +138,7 @@ def _gather_item(y_ptr, gather_ptr, dst, seg_done_ptr, err_ptr, seg, lo, hi, exp
     seen = _wait_at_least(seg_done_ptr + seg, expected, timeout_ns, "gpu", USE_TIMER)
     failed = (seen < expected).to(tl.int32)
     if failed != 0:
-        _record_error(err_ptr, _ERR_CONSUMER_WAIT, seg, seen, expected)
+        _record_error(err_ptr, _ERR_TILES_WAIT, seg, seen, expected)
     else:
         ks = tl.arange(0, KP)
         cols_in = tl.arange(0, BN)

@@ -197,7 +197,7 @@ def _raise_on_error(ws: GatherRSWorkspace, schedule: Schedule, epoch: int) -> No
     if code == 0:
         return
     rank = ws.rank
-    if code == k.ERR_CONSUMER_WAIT:
+    if code == k.ERR_TILES_WAIT:
         dest, col = int(schedule.segments[where, 0]), int(schedule.segments[where, 1])
         what = (f"a gather item timed out on segment {where} (destination rank {dest}, columns "
                 f"{col}..): {seen} of {expected} GEMM2 tiles done")
@@ -309,7 +309,8 @@ class _Call:
             ws.compiled.add(key)
 
     def finish(self) -> torch.Tensor:
-        """Finalize, join the side stream, raise on a recorded timeout; returns [T, H]."""
+        """Finalize, then raise on a recorded timeout (reads the error record: a host sync);
+        returns [T, H]."""
         self.finalize()
         _raise_on_error(self.ws, self.schedule, self.epoch)
         return self.out
@@ -329,7 +330,7 @@ def gemm2_gatherrs_triton(
     Args:
         h, w2, meta: as `gemm2_gatherrs_reference`.
         workspace: this group's `GatherRSWorkspace` (`symm.get_workspace`).
-        plan: the resource manager's plan (communication CTAs, producer CTAs).
+        plan: the resource manager's plan (grid, most CTAs storing to peers at once).
         timeout_s: bound on every spin-wait.
 
     Raises:
