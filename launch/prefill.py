@@ -1096,7 +1096,7 @@ def format_table(rows: list[dict]) -> str:
         "ms on",
         "tok/s off",
         "tok/s on",
-        "speedup off/on",
+        "t_off/t_on (>1: flag on faster)",
         "rel diff logits",
         "rel diff MoE1",
         "fro vs fp32 off/on",
@@ -1225,6 +1225,8 @@ def benchmark(run: RunConfig, shape: Any, device: torch.device) -> int:
     num_layers = transformer_config_kwargs(shape, num_layers=run.num_layers)["num_layers"]
     ranks = init_megatron(run)
     is_rank0 = ranks.rank == 0
+    if is_rank0 and run.out:
+        append_rows(run.out, [])  # an unwritable --out fails now, not after the benchmark
     models, fused_layers = build_models(shape, run, device)
     backend = resolved_backend(run, models["on"])
     progress = make_progress(len(run.seq_lengths) * 2 * (run.warmup + run.iters), is_rank0)

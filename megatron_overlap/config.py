@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,5 +60,7 @@ class GatherRSOptions:
                 )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
             raise TypeError(f"moe_gatherrs_timeout_s={self.timeout_s!r} must be a number")
-        if not self.timeout_s > 0:
-            raise ValueError(f"moe_gatherrs_timeout_s={self.timeout_s} must be > 0 seconds")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(
+                f"moe_gatherrs_timeout_s={self.timeout_s} must be a finite number of seconds > 0"
+            )

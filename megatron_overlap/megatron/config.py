@@ -49,13 +49,21 @@ class GatherRSTransformerConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         gatherrs_options(self)  # range checks of the options, flag on or off
-        if self.moe_gatherrs_overlap:
+        if gatherrs_enabled(self):
             validate_gatherrs_config(self)
 
 
 def gatherrs_enabled(config: TransformerConfig) -> bool:
-    """Whether the fused combine path is switched on for `config`."""
-    return bool(getattr(config, FLAG, False))
+    """Whether the fused combine path is switched on for `config`.
+
+    Raises:
+        TypeError: the flag is set to something other than a bool (a string "false" would
+            otherwise switch it on).
+    """
+    value = getattr(config, FLAG, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"{FLAG}={value!r} must be a bool (True or False)")
+    return value
 
 
 def gatherrs_options(config: TransformerConfig) -> GatherRSOptions:

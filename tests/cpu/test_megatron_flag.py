@@ -271,6 +271,10 @@ def test_unsupported_configs_raise():
         replace(base, moe_gatherrs_num_comm_ctas=0)
     with pytest.raises(ValueError, match="moe_gatherrs_timeout_s"):
         replace(base, moe_gatherrs_timeout_s=0)
+    with pytest.raises(ValueError, match="moe_gatherrs_timeout_s"):
+        replace(base, moe_gatherrs_timeout_s=float("inf"))
+    with pytest.raises(TypeError, match="must be a bool"):
+        replace(base, moe_gatherrs_overlap="false")
     # Megatron itself refuses moe_permute_fusion without TE, so check ours directly.
     from megatron_overlap.megatron import validate_gatherrs_config
 
