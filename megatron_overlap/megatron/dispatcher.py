@@ -34,6 +34,10 @@ def _as_list(splits) -> List[int]:
     return [int(x) for x in splits]
 
 
+# torch >= 2.13 renames all_gather_into_tensor (and warns on the old name); 2.11 has only it.
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def _all_gather_varsize(t: torch.Tensor, sizes: List[int], group) -> torch.Tensor:
     """Concatenate every rank's 1-D `t` (rank r holds sizes[r] elements) in group order.
 
@@ -43,7 +47,7 @@ def _all_gather_varsize(t: torch.Tensor, sizes: List[int], group) -> torch.Tenso
     padded = t.new_zeros(width)
     padded[: t.numel()] = t
     out = t.new_empty(width * len(sizes))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    _all_gather_flat(out, padded, group=group)
     return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
 
@@ -80,7 +84,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
         if self.tp_size * self.ep_size > 1:
             gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
-            dist.all_gather_into_tensor(gathered, counts, group=self.tp_ep_group)
+            _all_gather_flat(gathered, counts, group=self.tp_ep_group)
             counts = gathered
         self._counts = counts.view(self.tp_size * self.ep_size, -1).cpu().numpy()
         return out
