@@ -46,7 +46,8 @@ class GatherRSOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(
-                f"moe_gatherrs_backend={self.backend!r} is not supported; expected one of {BACKENDS}"
+                f"moe_gatherrs_backend={self.backend!r} is not supported; expected one of "
+                f"{BACKENDS}"
             )
         if self.num_comm_ctas is not None:
             if isinstance(self.num_comm_ctas, bool) or not isinstance(self.num_comm_ctas, int):

@@ -5,8 +5,8 @@
 Row schema (one JSON object per line, one row per (workload, provider)): model,
 tokens_per_rank, layout ("ep2", "tp2", ...), routing, hidden, ffn_per_rank, local_experts,
 topk, rows, remote_bytes, provider ("gemm", "megatron", "prereduced", "ours", "ours_nocomm",
-"bound", and the breakdown rows "ours_host", "ours_finalize" where present), p20_ms / p50_ms / p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps,
-git_sha, timestamp, torch.
+"bound"; breakdown rows "ours_host", "ours_finalize" where present), p20_ms / p50_ms /
+p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps, git_sha, timestamp, torch.
 """
 
 from __future__ import annotations

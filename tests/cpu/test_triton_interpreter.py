@@ -45,7 +45,6 @@ def _cases():
 
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
-    import torch
 
     from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
     from megatron_overlap.resource import Plan

@@ -318,7 +318,6 @@ def apply_cpu_patches() -> None:
         module.torch = _TORCH_VIEW
 
     from megatron.core.tensor_parallel import mappings
-    from megatron.core.transformer import torch_norm
     from megatron.core.transformer import utils as transformer_utils
 
     _replace_function(mappings.all_to_all, _all_to_all_with_list_splits(mappings.all_to_all))
