@@ -11,8 +11,10 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
   prereduced    (b) non-overlapped, pre-reduced: grouped GEMM, local top-k gather, the
                 collective on the reduced rows, finalize (`reference.gatherrs_reference`)
   ours_nocomm   (d) our fused kernel with its GEMM2 tiles only (communication off)
-  ours          the fused Triton op, host work and error check included
-  ours_host     (breakdown) host-side construction of one call (schedule, tables, copies)
+  ours          the fused Triton op, host work included (tables, copies, launches)
+  ours_prepared the op as the Megatron layer runs it: host work done beforehand (it
+                overlaps FC1 there), launches + GPU work timed
+  ours_host     (breakdown) host time to enqueue one call (tables, copies, launches)
   ours_finalize (breakdown) the finalize kernel alone (arrivals already in)
   bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
 Ratios printed: (a)/ours, (b)/ours, ours/bound, gemm/ours_nocomm (producer efficiency).
@@ -23,6 +25,7 @@ or "skewed" (see megatron_overlap.bench.workloads), fixed seed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import os
@@ -163,21 +166,58 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms)
         ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
+
+        def prepare(tile=None, call_plan=plan):
+            return _Call(meta, ws, call_plan, hidden=hidden, dtype=h.dtype, device=device,
+                         timeout_s=30.0, tile=tile)
+
+        def one_call(tile=None, call_plan=plan):
+            call = prepare(tile, call_plan)
+            call.run(h, w2)
+            return call
+
         host_ms = []
-        for _ in range(args.iters):  # host work of one call: schedule, tables, copies
+        for _ in range(args.iters):  # host time to enqueue one call (tables, copies, launches)
             torch.cuda.synchronize()
+            dist.barrier()
             start = time.perf_counter()
-            call = _Call(h, w2, meta, ws, plan, 30.0)
-            torch.cuda.synchronize()
+            call = one_call()
             host_ms.append((time.perf_counter() - start) * 1e3)
-            call.send()
-            call.finish()  # keep the ranks' epochs in step
+        torch.cuda.synchronize()
         results["ours_host"] = {"p20": min(host_ms), "p50": statistics.median(host_ms),
                                 "p80": max(host_ms)}
         # The last call's arrivals are all in: finalize again = its summing alone.
         results["ours_finalize"] = timed(call.finalize, args.warmup, args.iters)
-        results["ours_nocomm"] = timed(lambda: call.gemm_only(plan.num_ctas), args.warmup,
-                                       args.iters)
+        # The call as the Megatron layer runs it: prepared (host work) before FC1, so the
+        # timed part is the launches and the GPU work.
+        prepared_ms = []
+        for i in range(args.warmup + args.iters):
+            pending = prepare()
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending.run(h, w2)
+            end.record()
+            end.synchronize()
+            if i >= args.warmup:
+                prepared_ms.append(start.elapsed_time(end))
+        q = statistics.quantiles(prepared_ms, n=10)
+        results["ours_prepared"] = {"p20": q[1], "p50": statistics.median(prepared_ms),
+                                    "p80": q[7]}
+        results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters)
+        for name in args.variants:  # other tile configurations / schedules, same inputs
+            tile, per_sm = parse_tile(name)
+            v_plan = dataclasses.replace(plan, num_ctas=per_sm * num_sms, source="forced")
+            results[f"ours[{name}]"] = timed(lambda: one_call(tile, v_plan), args.warmup,
+                                             args.iters)
+            call = one_call(tile, v_plan)
+            results[f"nocomm[{name}]"] = timed(call.gemm_only, args.warmup, args.iters)
+        for kc in args.comm_ctas:  # the SM partition forced
+            forced = dataclasses.replace(plan, num_comm_ctas=kc, source="forced")
+            results[f"ours[k={kc}]"] = timed(lambda: one_call(call_plan=forced), args.warmup,
+                                             args.iters)
+        ws.check_errors(block=True)
 
     remote = sum(int(meta.send_slots[g]) for g in range(world) if g != rank)
     remote_bytes = remote * hidden * 2
@@ -198,6 +238,22 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
     return rows_out
 
 
+def parse_tile(name: str):
+    """'128x256x64w8s3' (+ 'dyn' for dynamic claims, + 'g2' for two CTAs per SM) ->
+    (TileConfig, CTAs per SM)."""
+    import re
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
+
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(dyn)?(g2)?", name)
+    if not m:
+        raise ValueError(f"tile variant {name!r}: expected e.g. 128x256x64w8s3 or "
+                         "128x128x64w8s3dyn")
+    bm, bn, bk, w, st = (int(x) for x in m.groups()[:5])
+    tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) is None)
+    return tile, 2 if m.group(7) else 1
+
+
 def git_sha() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
@@ -215,6 +271,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="extra tile configurations to time, e.g. 128x256x64w8s3 "
+                             "128x128x64w8s3dyn (rows ours[...] / nocomm[...])")
+    parser.add_argument("--comm-ctas", nargs="*", type=int, default=[],
+                        help="also time the op with these forced communication-CTA counts")
     parser.add_argument("--out", default="results/bench_op.jsonl")
     parser.add_argument("--stack-dump-s", type=float, default=300.0,
                         help="print every thread's stack each this many seconds (stuck runs)")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -119,6 +119,17 @@ class GatherRSMetadata:
     """[recv_slots.sum()] int64: for the rows received from each sender (group order,
     concatenated), the local token each row belongs to."""
 
+    topk: Optional[int] = None
+    """The router's top-k: at most this many experts per token."""
+
+    routed_counts: Optional[np.ndarray] = None
+    """[R, E] int64, group order: every rank's tokens per expert (`routing_map.sum(0)`), as
+    exchanged. Sizes the Triton backend's un-reduced row layout (see `direct_layout`)."""
+
+    routing_map: Optional[torch.Tensor] = None
+    """[T, E] bool device tensor: this rank's routing map (the Triton backend's finalize
+    index is built from it on the device)."""
+
     @property
     def group_size(self) -> int:
         """R = TP * EP."""
@@ -135,6 +146,7 @@ class GatherRSMetadata:
             self,
             gather_index=self.gather_index.to(device),
             recv_token_index=self.recv_token_index.to(device),
+            routing_map=None if self.routing_map is None else self.routing_map.to(device),
         )
 
     def split_sizes(self, counts: np.ndarray) -> List[int]:
@@ -152,6 +164,7 @@ def build_metadata(
     ep_size: int,
     ep_rank: int,
     topk: int,
+    routing_map: Optional[torch.Tensor] = None,
 ) -> GatherRSMetadata:
     """Build the metadata of one call from the exchanged routing counts.
 
@@ -163,6 +176,8 @@ def build_metadata(
         dest_token_mask: [T, EP] bool, this rank's own `source_slots` mask.
         tp_size, tp_rank, ep_size, ep_rank: this rank's place in the tp_ep group.
         topk: the router's top-k (bounds the contributions per slot).
+        routing_map: [T, E] bool, this rank's routing map; needed by the Triton backend
+            (kept in the metadata), optional for the reference path.
 
     Raises:
         ValueError: inconsistent sizes (the message names them).
@@ -172,6 +187,15 @@ def build_metadata(
     if counts.ndim != 2 or counts.shape[0] != group_size or counts.shape[1] <= ep_size:
         raise ValueError(
             f"counts must be [R={group_size}, E + EP] with EP={ep_size}, got {counts.shape}"
+        )
+    if routing_map is not None and (
+        routing_map.dtype != torch.bool or routing_map.dim() != 2
+        or routing_map.shape[0] != dest_token_mask.shape[0]
+        or routing_map.shape[1] != counts.shape[1] - ep_size
+    ):
+        raise ValueError(
+            f"routing_map must be [T={dest_token_mask.shape[0]}, E={counts.shape[1] - ep_size}] "
+            f"bool, got {tuple(routing_map.shape)} {routing_map.dtype}"
         )
     num_experts = counts.shape[1] - ep_size
     if num_experts % ep_size != 0:
@@ -235,4 +259,7 @@ def build_metadata(
         recv_rows_per_rank=rows_from.sum(axis=1),
         gather_index=gather_index,
         recv_token_index=recv_token_index,
+        topk=int(topk),
+        routed_counts=counts[:, :num_experts].copy(),
+        routing_map=routing_map,
     )

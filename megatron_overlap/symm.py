@@ -8,10 +8,13 @@ One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
   i + 1, which waited for the receiver's call-(i + 1) arrivals, which the receiver sent only
   after its finalize of call i had read that half. So no rank overwrites rows a peer is still
   reading, without any extra barrier.
-* the arrival counters, int32 [R] in symmetric memory: counter s on rank g counts the
-  segments sender s delivered to g, summed over all calls. They are never reset; a call's
-  target is epoch * segments-per-sender (so no reset can race a late increment).
-* the local (non-symmetric) error record the kernels write on a timeout.
+* the arrival counters, int64 [R] in symmetric memory: counter s on rank g counts the
+  GEMM2 tiles sender s stored into g's buffer, summed over all calls. They are never reset
+  (so no reset can race a late increment); each rank keeps the running total it expects
+  from every sender (`add_expected_arrivals`), which all ranks compute alike from the
+  exchanged routing counts.
+* the local (non-symmetric) error record the kernels write on a timeout, and its pinned
+  host copy, read asynchronously (`record_error_check`, `check_errors`).
 
 The capacity only grows, and only by a collective decision every rank makes alike: the rows
 each rank will receive are known on every rank from the exchanged routing counts
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -71,17 +75,21 @@ class GatherRSWorkspace:
         self.capacity_rows = 0
         self.compiled: set = set()  # kernel specialisations already warmed up
         self.error = torch.zeros(4, dtype=torch.int64, device=self.device)
+        pinned = self.device.type == "cuda"
+        self._error_host = torch.zeros(4, dtype=torch.int64, pin_memory=pinned)
+        self._error_event = None
+        self.expected_arrivals = np.zeros(self.num_ranks, dtype=np.int64)
         self._recv = None
         self._recv_handle = None
         self.peer_recv_ptrs: Optional[torch.Tensor] = None
         if group is None:
-            self.signals = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self.signals = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._sig_handle = None
             self.peer_signal_ptrs = torch.tensor([self.signals.data_ptr()], dtype=torch.int64,
                                                  device=self.device)
         else:
             self.signals, self._sig_handle, self.peer_signal_ptrs = _symmetric_tensor(
-                (self.num_ranks,), torch.int32, self.device, group
+                (self.num_ranks,), torch.int64, self.device, group
             )
         self._fixed_capacity = False
         self._destroyed = False
@@ -125,16 +133,81 @@ class GatherRSWorkspace:
         self.epoch += 1
         return self.epoch
 
-    def destroy(self) -> None:
-        """Release the buffers. The workspace cannot be used afterwards."""
+    def add_expected_arrivals(self, arrivals: np.ndarray) -> np.ndarray:
+        """Add one call's arrivals per sender ([R] int64) to the running totals; returns the
+        new totals (the call's targets)."""
+        self._check_alive()
+        self.expected_arrivals = self.expected_arrivals + np.asarray(arrivals, dtype=np.int64)
+        return self.expected_arrivals
+
+    def record_error_check(self) -> None:
+        """Queue an asynchronous copy of the error record (after the kernels just launched on
+        the current stream); `check_errors` reads it."""
+        self._check_alive()
+        if self.device.type != "cuda":
+            return
+        self._error_host.copy_(self.error, non_blocking=True)
+        if self._error_event is None:
+            self._error_event = torch.cuda.Event()
+        self._error_event.record(torch.cuda.current_stream(self.device))
+
+    def check_errors(self, block: bool = True) -> None:
+        """Raise if a kernel recorded a timeout.
+
+        Args:
+            block: wait for the last queued copy (`record_error_check`); otherwise look only
+                if it has completed (no host sync).
+
+        Raises:
+            RuntimeError: names this rank, the sender waited for, the arrival count seen and
+                the count expected. The workspace is unusable afterwards (counters are out
+                of step across ranks).
+        """
         if self._destroyed:
             return
+        if self.device.type == "cuda":
+            if self._error_event is None:
+                return
+            if block:
+                self._error_event.synchronize()
+            elif not self._error_event.query():
+                return
+            record = self._error_host
+        else:
+            record = self.error
+        code, sender, seen, expected = (int(x) for x in record.tolist())
+        if code == 0:
+            return
+        self.error.zero_()
+        self._error_host.zero_()
+        raise RuntimeError(
+            f"gemm2_gatherrs (Triton) on tp_ep rank {self.rank}: finalize timed out waiting "
+            f"for sender rank {sender}: arrival counter {seen}, expected >= {expected} (error "
+            f"code {code}; epoch {self.epoch}). The workspace is unusable now; counters are "
+            "out of step across ranks."
+        )
+
+    def destroy(self) -> None:
+        """Release the buffers (a collective). The workspace cannot be used afterwards.
+
+        Raises:
+            RuntimeError: a kernel recorded a timeout not reported yet (after releasing).
+        """
+        if self._destroyed:
+            return
+        pending = None
         if self.group is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
             dist.barrier(group=self.group)
+        try:
+            self.check_errors(block=True)
+        except RuntimeError as err:
+            pending = err
         self._recv = self._recv_handle = self._sig_handle = None
         self.signals = self.peer_signal_ptrs = self.peer_recv_ptrs = None
         self._destroyed = True
+        if pending is not None:
+            raise pending
 
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -153,7 +226,8 @@ def local_workspaces(num_ranks: int, *, hidden: int, dtype: torch.dtype, device,
               for _ in range(num_ranks)]
     for rank, ws in enumerate(spaces):
         ws.num_ranks, ws.rank = num_ranks, rank
-        ws.signals = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+        ws.signals = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+        ws.expected_arrivals = np.zeros(num_ranks, dtype=np.int64)
         ws._recv = torch.zeros(2 * capacity_rows, hidden, dtype=dtype, device=device)
         ws.capacity_rows, ws._fixed_capacity = capacity_rows, True
     recv_ptrs = torch.tensor([ws._recv.data_ptr() for ws in spaces], dtype=torch.int64,
@@ -180,7 +254,16 @@ def get_workspace(group: Optional[dist.ProcessGroup], *, hidden: int, dtype: tor
 
 
 def destroy_workspaces() -> None:
-    """Destroy every workspace `get_workspace` created (call on every rank)."""
+    """Destroy every workspace `get_workspace` created (call on every rank).
+
+    Raises:
+        RuntimeError: the first unreported kernel timeout (every workspace is destroyed)."""
+    first = None
     for ws in _WORKSPACES.values():
-        ws.destroy()
+        try:
+            ws.destroy()
+        except RuntimeError as err:
+            first = first or err
     _WORKSPACES.clear()
+    if first is not None:
+        raise first

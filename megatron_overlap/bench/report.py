@@ -5,7 +5,9 @@
 Row schema (one JSON object per line, one row per (workload, provider)): model,
 tokens_per_rank, layout ("ep2", "tp2", ...), routing, hidden, ffn_per_rank, local_experts,
 topk, rows, remote_bytes, provider ("gemm", "megatron", "prereduced", "ours", "ours_nocomm",
-"bound"; breakdown rows "ours_host", "ours_finalize" where present), p20_ms / p50_ms /
+"bound"; "ours_prepared": the op with its host work done beforehand, as the Megatron layer
+runs it; breakdown rows "ours_host", "ours_finalize" where present; exploration rows
+"ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts), p20_ms / p50_ms /
 p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps, git_sha, timestamp, torch.
 """
 
@@ -38,11 +40,16 @@ def _fmt(ms) -> str:
     return "-" if ms is None else f"{ms:.3f}"
 
 
+def _ratio(a, b) -> str:
+    return "-" if a is None or b is None else f"{a / b:.2f}"
+
+
 def table(rows: List[dict]) -> str:
     """Markdown table: p50 times and the ratios the targets are stated in."""
     lines = ["| model | tokens/rank | layout | gemm ms | (a) megatron ms | (b) prereduced ms | "
              "ours ms | ours no-comm ms | bound ms | (a)/ours | (b)/ours | ours/bound | "
-             "gemm/no-comm | host ms | finalize ms |", "|" + "---|" * 15]
+             "gemm/no-comm | host ms | finalize ms | ours prepared ms | (a)/prepared | "
+             "(b)/prepared | prepared/bound |", "|" + "---|" * 19]
     for (model, tokens, layout), g in by_workload(rows).items():
         if not all(p in g for p in PROVIDERS):
             continue
@@ -52,7 +59,10 @@ def table(rows: List[dict]) -> str:
             f"{g['bound']:.3f} | {g['megatron'] / g['ours']:.2f} | "
             f"{g['prereduced'] / g['ours']:.2f} | {g['ours'] / g['bound']:.2f} | "
             f"{g['gemm'] / g['ours_nocomm']:.2f} | {_fmt(g.get('ours_host'))} | "
-            f"{_fmt(g.get('ours_finalize'))} |")
+            f"{_fmt(g.get('ours_finalize'))} | {_fmt(g.get('ours_prepared'))} | "
+            f"{_ratio(g['megatron'], g.get('ours_prepared'))} | "
+            f"{_ratio(g['prereduced'], g.get('ours_prepared'))} | "
+            f"{_ratio(g.get('ours_prepared'), g['bound'])} |")
     return "\n".join(lines)
 
 
@@ -64,7 +74,9 @@ def plot(rows: List[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = [(k, g) for k, g in by_workload(rows).items() if all(p in g for p in PROVIDERS)]
-    shown = ("megatron", "prereduced", "ours", "ours_nocomm")
+    shown = ["megatron", "prereduced", "ours", "ours_nocomm"]
+    if all("ours_prepared" in g for _, g in groups):
+        shown.insert(3, "ours_prepared")
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(groups)), 4))
     width = 0.8 / len(shown)
     for i, provider in enumerate(shown):

@@ -86,5 +86,5 @@ def rank_rows(maps: Sequence[torch.Tensor], *, tp: int, ep: int, rank: int,
             row_expert.append(torch.full_like(tokens, local))
     meta = build_metadata(counts=counts, row_slot=torch.cat(row_slot),
                           dest_token_mask=slots[rank][1], tp_size=tp, tp_rank=tp_rank,
-                          ep_size=ep, ep_rank=ep_rank, topk=topk)
+                          ep_size=ep, ep_rank=ep_rank, topk=topk, routing_map=maps[rank])
     return RankRows(meta, torch.cat(row_source), torch.cat(row_token), torch.cat(row_expert))

@@ -23,7 +23,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
-from megatron_overlap.ops import gemm2_gatherrs
+from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
 
 
@@ -69,6 +69,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.options = gatherrs_options(config)
         self.metadata: Optional[GatherRSMetadata] = None
         self.plan: Optional[Plan] = None
+        self._prepared = None  # a prepared Triton call (prepare_combine), or None
+        self._was_prepared = False
         self.num_plans = 0  # resource-manager calls so far (one per forward)
         self._num_sms = None
 
@@ -134,11 +136,32 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             ep_size=self.ep_size,
             ep_rank=self.ep_rank,
             topk=self.config.moe_router_topk,
+            routing_map=self.routing_map,
         )
         self._row_slot = None
         return tokens, tokens_per_expert, probs
 
     # ---- combine half: one fused operation ---------------------------------------------
+
+    def prepare_combine(self, h_like: torch.Tensor, w2: torch.Tensor) -> None:
+        """Plan the combine and do its host work now (call before FC1 is launched, so the
+        host work overlaps FC1 on the GPU). Optional: `gemm2_gatherrs_combine` does it
+        otherwise.
+
+        Args:
+            h_like: the dispatched tokens (dtype, device and autograd state of FC1's output).
+            w2: [L, H, F] FC2 weights of the local experts.
+        """
+        if self.metadata is None:
+            raise RuntimeError("prepare_combine called before dispatch_postprocess")
+        if self._num_sms is None and h_like.is_cuda:
+            self._num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
+        self.plan = plan_gemm2_gatherrs(self.metadata, self.options, num_sms=self._num_sms)
+        self.num_plans += 1
+        group = self.tp_ep_group if self.metadata.group_size > 1 else None
+        self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,
+                                                options=self.options, plan=self.plan)
+        self._was_prepared = True
 
     def gemm2_gatherrs_combine(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """FC2 + un-permute + top-k combine + TP reduce-scatter + EP return all-to-all.
@@ -153,13 +176,12 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """
         if self.metadata is None:
             raise RuntimeError("gemm2_gatherrs_combine called before dispatch_postprocess")
-        if self._num_sms is None and h.is_cuda:
-            self._num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-        self.plan = plan_gemm2_gatherrs(self.metadata, self.options, num_sms=self._num_sms)
-        self.num_plans += 1
+        if not self._was_prepared:
+            self.prepare_combine(h, w2)
+        prepared, self._prepared, self._was_prepared = self._prepared, None, False
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,
-                             plan=self.plan)
+                             plan=self.plan, prepared=prepared)
         self.metadata = None
         return out.view(self.hidden_shape)
 

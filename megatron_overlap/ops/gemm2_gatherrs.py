@@ -79,6 +79,45 @@ def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,
     return "reference"
 
 
+def prepare_gemm2_gatherrs(
+    h_like: torch.Tensor,
+    w2: torch.Tensor,
+    meta: GatherRSMetadata,
+    *,
+    group: Optional[dist.ProcessGroup],
+    options: GatherRSOptions,
+    plan: Optional[Plan] = None,
+):
+    """Do a call's host work ahead of time, before h exists (e.g. before FC1 is launched).
+
+    Args:
+        h_like: any tensor with h's dtype, device and autograd state (e.g. the dispatched
+            tokens): it decides the backend as h would.
+        w2, meta, group, options, plan: as `gemm2_gatherrs`.
+
+    Returns:
+        A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
+        run: every rank of the group counts its arrivals already), or None when the
+        reference backend will run the call (nothing to prepare).
+
+    Raises:
+        ValueError: unknown backend; RuntimeError: "triton" where it cannot run.
+    """
+    backend = resolve_backend(options.backend, h_like, w2, group)
+    if backend == "reference":
+        return None
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.symm import get_workspace
+
+    if plan is None:
+        num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
+        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms)
+    workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
+                              device=h_like.device)
+    return _Call(meta, workspace, plan, hidden=w2.shape[1], dtype=h_like.dtype,
+                 device=h_like.device, timeout_s=options.timeout_s)
+
+
 def gemm2_gatherrs(
     h: torch.Tensor,
     w2: torch.Tensor,
@@ -87,6 +126,7 @@ def gemm2_gatherrs(
     group: Optional[dist.ProcessGroup],
     options: GatherRSOptions,
     plan: Optional[Plan] = None,
+    prepared=None,
 ) -> torch.Tensor:
     """FC2 + un-permute + top-k combine + TP reduce-scatter + EP return, as one operation.
 
@@ -98,15 +138,21 @@ def gemm2_gatherrs(
         group: the tp_ep process group (R = TP * EP ranks); None when R == 1.
         options: backend, communication CTAs, timeout.
         plan: the resource manager's plan; computed here when None.
+        prepared: the result of `prepare_gemm2_gatherrs` for this call, if any (a Triton
+            call is then run as prepared).
 
     Returns:
         [T, H] in h's dtype: the routed experts' contribution to this rank's tokens.
 
     Raises:
         TypeError, ValueError: bad operands (see `reference.check_operands`).
-        RuntimeError: backend "triton" where it cannot run, or a bounded GPU wait expired.
+        RuntimeError: backend "triton" where it cannot run, or a bounded GPU wait expired
+            (Triton: reported by the call that finds the record, this one or a later one on
+            the same workspace; `GatherRSWorkspace.check_errors()` checks now).
     """
     check_operands(h, w2, meta)
+    if prepared is not None:
+        return prepared.run(h, w2)
     backend = resolve_backend(options.backend, h, w2, group)
     if backend == "reference":
         return gemm2_gatherrs_reference(h, w2, meta, group)

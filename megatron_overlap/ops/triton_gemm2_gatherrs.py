@@ -1,20 +1,31 @@
-"""Launcher of the tile-signaled Triton GEMM2 + GatherRS kernels.
+"""Launcher of the tile-signaled Triton GEMM2 + GatherRS kernels (v4).
 
-Shape symbols as in `megatron_overlap.metadata`; BM x BN is the GEMM2 output tile, and one
-*segment* is (destination rank, column split).
+Shape symbols as in `megatron_overlap.metadata`; BM x BN is the GEMM2 output tile.
+
+Row layout ("direct"): every (token, expert) row is summed where its token lives. The
+receive half of rank g holds, for every sender s of the tp_ep group in group order, a
+block of `pairs(g, ep(s))` rows: g's routed (token, expert) pairs with an expert on s's EP
+rank, in g's permute order (expert-major, token ascending) -- the order in which s's rows of
+source chunk g already are. So sender s stores rows [r0, r1) of (expert l, chunk of g) at
+`offset(g, s) + (rows of experts < l in that chunk) + (r0 - chunk start)`. Everything is
+known on every rank from the exchanged tokens-per-expert counts (`meta.routed_counts`).
 
 Per call, on this rank (DESIGN.md §3):
-  1. host: the schedule: one work queue of GEMM2 tiles, segment by segment (the remote
-     destinations round-robin split by split, this rank's own segments last, each segment
-     row block by row block across its split), with each segment's gather items placed
-     `GATHER_LAG` segments after its tiles;
-  2. current stream: zero the counters, launch `_fused_kernel` (one CTA per SM; at most the
-     plan's communication CTAs in the peer-store role at once), then `_finalize_kernel`;
-  3. read the error record; a non-zero code raises RuntimeError naming rank, segment/sender,
-     the value seen and the value waited for.
+  1. host: the tile list (`direct_layout`): remote-bound tiles (destinations round-robin
+     after this rank) and local tiles, wave-ordered for the plan's k communication CTAs;
+     the arrival targets; all in one pinned int32 buffer, one asynchronous H2D copy;
+  2. device, current stream: the routing map's prefix sum over tokens (the finalize finds
+     each token's rows from it), then, once h exists, `_gemm_scatter_kernel` (persistent,
+     `plan.num_ctas` CTAs) and `_finalize_kernel`. Step 1 and the prefix sum only need the
+     metadata: `_Call` does them at construction ("prepare"), which the Megatron layer does
+     before FC1;
+  3. the error record is copied to pinned memory asynchronously and checked at the start of
+     the next call on the workspace (or now with `sync_errors=True`, or by
+     `GatherRSWorkspace.check_errors()`): a finalize that timed out raises RuntimeError
+     naming the rank, the sender, the value seen and the value waited for.
 
-Without CUDA (the Triton interpreter) the kernels run with one program each (a gather item
-then never waits: the tiles before it in the queue are done).
+The first call of each kernel specialisation synchronises and lines the ranks up after
+compiling, so no rank's finalize waits out a peer's JIT compilation.
 """
 
 from __future__ import annotations
@@ -25,19 +36,41 @@ from typing import Optional
 
 import numpy as np
 import torch
-import triton
 import torch.distributed as dist
+import triton
 
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
 from megatron_overlap.resource import Plan
 from megatron_overlap.symm import GatherRSWorkspace
 
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-"""Producer tile (rows x hidden columns x ffn depth) on the GPU."""
-GATHER_ROWS = 128
-"""Rows of y one gather step loads at once (slots x padded contributions), all in flight
-together: the gather is latency-bound, so its memory-level parallelism sets its speed."""
+
+@dataclass(frozen=True)
+class TileConfig:
+    """GEMM2 tile and launch configuration of `_gemm_scatter_kernel`.
+
+    bm x bn output tile (rows x hidden columns), bk the FFN depth per K step, Triton
+    num_warps / num_stages; static: wave-ordered tile list (True) or atomic claims (False).
+    """
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    static: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name}={v} must be a power of two >= 16")
+
+
+DEFAULT_TILE = TileConfig()
+"""GPU default (measured choice: docs/perf_notes.md)."""
+INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
+"""Small tiles for the Triton interpreter (speed)."""
 FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
 
@@ -47,47 +80,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tile_shape(device: torch.device):
-    """(BM, BN, BK) for `device`: 16 x 16 x 16 in the interpreter (speed), else the GPU's."""
-    return (16, 16, 16) if device.type != "cuda" else (BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Host-built work lists of one call.
-
-    entries: int32 [num_entries, 5], the work queue: a GEMM2 tile (local expert, row start,
-        row end, column start, segment) or a gather item (-1, item index, 0, 0, 0).
-    segments: int32 [num_segments, 7] (destination rank, column start, expected tiles,
-        first slot, slot count, row offset of this sender in the destination's buffer,
-        column width).
-    items: int32 [num_items, 4] gather items (segment, first slot, end slot (both relative
-        to the segment), items of that segment); every segment has >= 1 item.
-    splits: column splits per destination (segments per sender per destination).
-    """
-
-    entries: np.ndarray
-    segments: np.ndarray
-    items: np.ndarray
-    splits: int
-
-    @property
-    def num_tiles(self) -> int:
-        return int((self.entries[:, 0] >= 0).sum())
-
-
-GATHER_LAG = 2
-"""Segments between a segment's last GEMM2 tile and its first gather item in the queue, so
-that a gather item rarely waits for tiles still in flight."""
-
-SEGMENT_COLUMNS = 1024
-"""Target width of a segment's column split. Within a segment the tiles go row block by row
-block across the split's column blocks, so h is read once per split rather than once per
-BN-wide block (4 times at H = 4096 instead of 32). Predicted to close the producer's gap to
-torch's grouped GEMM (2.61 ms vs 1.37 ms, Mixtral shapes, 4096 tokens/rank, H200); measured:
-2.57 ms, so h re-reads were not the cause (notes: docs/perf_notes.md)."""
-SLOTS_PER_ITEM = 256
-"""Slots of one gather item (it sweeps the segment's columns BN at a time)."""
+def default_tile(device: torch.device) -> TileConfig:
+    """`DEFAULT_TILE` on CUDA, `INTERPRETER_TILE` elsewhere."""
+    return DEFAULT_TILE if torch.device(device).type == "cuda" else INTERPRETER_TILE
 
 
 def destination_order(rank: int, num_ranks: int):
@@ -95,88 +90,137 @@ def destination_order(rank: int, num_ranks: int):
     return [(rank + d) % num_ranks for d in range(1, num_ranks)] + [rank]
 
 
-def split_columns(hidden: int, bn: int, target: int = SEGMENT_COLUMNS):
-    """(splits, width): `hidden` cut into `splits` column splits of `width` (a multiple of bn;
-    the last one is masked at `hidden`)."""
-    splits = max(1, -(-hidden // max(target, bn)))
-    width = -(-(-(-hidden // splits)) // bn) * bn
-    return -(-hidden // width), width
+@dataclass(frozen=True)
+class DirectLayout:
+    """Host-side tables of one call (see the module docstring).
+
+    tiles_remote, tiles_local: int32 [n, 6] tile entries (local expert, first row, end row,
+        first column, destination group rank, first row in the destination's half); remote
+        ones grouped by destination in `destination_order`, each destination's row blocks
+        in h order, column blocks innermost.
+    arrivals: int64 [R]: tiles each rank stores into this rank's buffer this call (0 for
+        this rank itself: its own tiles are ordered by the stream).
+    recv_rows: int64 [R]: rows each rank receives this call (TP x its routed pairs).
+    finalize_base: int32 [TP, E]: the receive-half row of token t's expert-e output from TP
+        rank tp of EP rank e // L is finalize_base[tp, e] + cum[t, e], cum the inclusive
+        prefix sum of the routing map over tokens (`contribution_rows`).
+    num_pairs: this rank's routed (token, expert) pairs.
+    """
+
+    tiles_remote: np.ndarray
+    tiles_local: np.ndarray
+    arrivals: np.ndarray
+    recv_rows: np.ndarray
+    finalize_base: np.ndarray
+    num_pairs: int
 
 
-def build_schedule(meta: GatherRSMetadata, hidden: int, bm: int, bn: int,
-                   slots_per_item: int = SLOTS_PER_ITEM) -> Schedule:
-    """The work queue, segments and gather items of one call, in priority order."""
-    group_size = meta.group_size
-    rank = meta.ep_rank * meta.tp_size + meta.tp_rank
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> DirectLayout:
+    """Tiles, arrival counts and index bases of one call (host numpy, no device work).
+
+    Raises:
+        ValueError: `meta` lacks `routed_counts` (built without the exchanged counts).
+    """
+    if meta.routed_counts is None:
+        raise ValueError("metadata without routed_counts: build it with build_metadata(...)")
+    tp, ep = meta.tp_size, meta.ep_size
+    group_size, num_local = tp * ep, meta.num_local_experts
+    me = meta.ep_rank * tp + meta.tp_rank
+    routed = meta.routed_counts  # [R, E] group order
+    num_experts = routed.shape[1]
+    pairs_to_ep = routed.reshape(group_size, ep, num_local).sum(axis=2)  # [R(g), EP(j)]
+    ep_of_sender = np.arange(group_size) // tp
+    block = pairs_to_ep[:, ep_of_sender]  # [R(g), R(s)]: rows s sends to g
+    offsets = np.cumsum(block, axis=1) - block  # [R(g), R(s)]: s's block in g's half
+    recv_rows = block.sum(axis=1)
+
+    # This rank's tiles: for chunk c (destination d) and local expert l, rows[l, c].
     counts = meta.rows_per_expert_per_chunk  # [L, R] chunk order
-    row_start = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
-    splits, width = split_columns(hidden, bn)
-    blocks_per_split = width // bn
+    row_start = (np.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(counts.shape)
+    dests = np.array([chunk_to_group_rank(c, tp, ep) for c in range(group_size)])
+    within = np.cumsum(counts, axis=0) - counts  # rows of experts < l in chunk c
+    dest_row = offsets[dests, me][None, :] + within  # [L, R]
+    # Flatten (l, c) in destination order, then expert order.
+    key = (dests - me - 1) % group_size  # this rank's own chunk last
+    c_order = np.argsort(key, kind="stable")
+    l_idx, c_idx = np.meshgrid(np.arange(num_local), c_order, indexing="xy")
+    l_idx, c_idx = l_idx.reshape(-1), c_idx.reshape(-1)  # c-major, l inner
+    n = counts[l_idx, c_idx]
+    nb = _ceil_div(n, bm)
+    run = np.repeat(np.arange(len(n)), nb)
+    blk = np.arange(int(nb.sum())) - np.repeat(np.cumsum(nb) - nb, nb)
+    r0 = row_start[l_idx, c_idx][run] + blk * bm
+    r1 = np.minimum(r0 + bm, (row_start[l_idx, c_idx] + n)[run])
+    ncb = _ceil_div(hidden, bn)
+    tiles = np.empty((len(run) * ncb, k.TILE_FIELDS), dtype=np.int64)
+    tiles[:, 0] = np.repeat(l_idx[run], ncb)
+    tiles[:, 1] = np.repeat(r0, ncb)
+    tiles[:, 2] = np.repeat(r1, ncb)
+    tiles[:, 3] = np.tile(np.arange(ncb) * bn, len(run))
+    tiles[:, 4] = np.repeat(dests[c_idx][run], ncb)
+    tiles[:, 5] = np.repeat(dest_row[l_idx, c_idx][run] + blk * bm, ncb)
+    if tiles.size and tiles.max() >= 2**31:
+        raise ValueError("a tile coordinate does not fit in int32")
+    remote = tiles[:, 4] != me
 
-    # Row blocks of each destination, (expert, r0, r1), never crossing an (expert, chunk).
-    blocks = {}
-    for chunk in range(group_size):
-        dest = chunk_to_group_rank(chunk, meta.tp_size, meta.ep_size)
-        n = counts[:, chunk]
-        per_expert = -(-n // bm)
-        expert = np.repeat(np.arange(len(n)), per_expert)
-        first = np.repeat(np.cumsum(per_expert) - per_expert, per_expert)
-        r0 = row_start[expert, chunk] + (np.arange(len(expert)) - first) * bm
-        r1 = np.minimum(r0 + bm, row_start[expert, chunk] + n[expert])
-        blocks[dest] = np.stack([expert, r0, r1], axis=1)
+    # Tiles every sender s stores into this rank: ceil(rows/bm) * column blocks per expert.
+    mine = routed[me].reshape(ep, num_local)  # my tokens per expert, by EP rank
+    tiles_from_ep = (_ceil_div(mine, bm) * ncb).sum(axis=1)
+    arrivals = tiles_from_ep[ep_of_sender].astype(np.int64)
+    arrivals[me] = 0
 
-    slot_start = np.concatenate([[0], np.cumsum(meta.send_slots)[:-1]])
-    order = destination_order(rank, group_size)
-    remote, local = order[:-1], order[-1:]
-    seg_keys = [(d, j) for j in range(splits) for d in remote] + [(d, j) for d in local
-                                                                   for j in range(splits)]
-    tiles, segments, items = [], [], []
-    item_base = 0
-    for seg, (dest, j) in enumerate(seg_keys):
-        b = blocks[dest]
-        c0 = j * width
-        n_blocks = min(blocks_per_split, -(-(hidden - c0) // bn))
-        t = np.empty((len(b) * n_blocks, 5), dtype=np.int64)
-        t[:, :3] = np.repeat(b, n_blocks, axis=0)  # row block by row block across the split
-        t[:, 3] = c0 + np.tile(np.arange(n_blocks) * bn, len(b))
-        t[:, 4] = seg
-        tiles.append(t)
-        num_slots = int(meta.send_slots[dest])
-        segments.append((dest, c0, len(t), slot_start[dest], num_slots,
-                         meta.dest_row_offsets[dest], min(width, hidden - c0)))
-        lo = np.arange(0, max(num_slots, 1), slots_per_item)
-        items.append(np.stack([np.full_like(lo, seg), lo,
-                               np.minimum(lo + slots_per_item, num_slots),
-                               np.full_like(lo, len(lo))], axis=1))
-    queue = []
-    item_refs = []
-    for seg_items in items:
-        refs = np.zeros((len(seg_items), 5), dtype=np.int64)
-        refs[:, 0] = -1
-        refs[:, 1] = item_base + np.arange(len(seg_items))
-        item_base += len(seg_items)
-        item_refs.append(refs)
-    for seg in range(len(seg_keys)):
-        queue.append(tiles[seg])
-        if seg >= GATHER_LAG:
-            queue.append(item_refs[seg - GATHER_LAG])
-    queue += item_refs[max(0, len(seg_keys) - GATHER_LAG):]
-    return Schedule(np.concatenate(queue).astype(np.int32),
-                    np.array(segments, dtype=np.int64).reshape(-1, 7).astype(np.int32),
-                    np.concatenate(items).astype(np.int32), splits)
+    first_pair = np.cumsum(routed[me]) - routed[me]  # first pair index of expert e
+    first_pair_of_ep = first_pair.reshape(ep, num_local)[:, 0]
+    expert_ep = np.arange(num_experts) // num_local
+    senders = expert_ep[None, :] * tp + np.arange(tp)[:, None]  # [TP, E]
+    # pair p of expert e sits at offsets + (p - first pair of e's EP rank); p = first_pair[e]
+    # + cum[t, e] - 1.
+    finalize_base = (offsets[me][senders] - first_pair_of_ep[expert_ep][None, :]
+                     + first_pair[None, :] - 1)
+    return DirectLayout(
+        tiles_remote=tiles[remote].astype(np.int32),
+        tiles_local=tiles[~remote].astype(np.int32),
+        arrivals=arrivals,
+        recv_rows=recv_rows.astype(np.int64),
+        finalize_base=finalize_base.astype(np.int32),
+        num_pairs=int(routed[me].sum()),
+    )
 
 
-def finalize_index(meta: GatherRSMetadata, row_base: int, device) -> torch.Tensor:
-    """int32 [T, R]: receive-buffer row of sender s's partial row of token t, or -1."""
-    index = torch.full((meta.num_tokens, meta.group_size), -1, dtype=torch.int32, device=device)
-    offset = 0
-    for sender, n in enumerate(meta.recv_slots):
-        n = int(n)
-        tokens = meta.recv_token_index[offset : offset + n]
-        index[tokens, sender] = torch.arange(row_base + offset, row_base + offset + n,
-                                             dtype=torch.int32, device=device)
-        offset += n
-    return index
+def wave_order(num_remote: int, num_local: int, grid: int, num_comm: int) -> np.ndarray:
+    """Static schedule: positions of the remote tiles (first num_remote) and local tiles
+    (after them) in the wave-ordered list in which every wave of `grid` tiles holds
+    `num_comm` remote and `grid - num_comm` local tiles while both last, then whatever is
+    left. Returns the permutation (indices into remote ++ local)."""
+    if num_remote == 0 or num_local == 0 or grid < 2:
+        return np.arange(num_remote + num_local)
+    kc = min(max(num_comm, 1), grid - 1)
+    i = np.arange(num_remote)
+    j = np.arange(num_local)
+    pos = np.concatenate([(i // kc) * grid + i % kc,
+                          (j // (grid - kc)) * grid + kc + j % (grid - kc)])
+    return np.argsort(pos, kind="stable")
+
+
+def contribution_rows(meta: GatherRSMetadata, layout: DirectLayout) -> torch.Tensor:
+    """int64 [T, E, TP]: the receive-half row holding token t's expert-e output from TP rank
+    tp, -1 where t is not routed to e; what `_finalize_kernel` computes on the fly (tests,
+    debugging).
+
+    Raises:
+        ValueError: `meta` has no routing map.
+    """
+    if meta.routing_map is None:
+        raise ValueError("meta.routing_map is missing (build_metadata(..., routing_map=...))")
+    rmap = meta.routing_map.cpu()
+    cum = torch.cumsum(rmap, dim=0)
+    base = torch.from_numpy(layout.finalize_base.astype(np.int64))  # [TP, E]
+    rows = base.t()[None, :, :] + cum[:, :, None]
+    return torch.where(rmap[:, :, None], rows, torch.full_like(rows, -1))
 
 
 _allocator_set = False
@@ -192,115 +236,95 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
-def _raise_on_error(ws: GatherRSWorkspace, schedule: Schedule, epoch: int) -> None:
-    code, where, seen, expected = (int(x) for x in ws.error.tolist())
-    if code == 0:
-        return
-    rank = ws.rank
-    if code == k.ERR_TILES_WAIT:
-        dest, col = int(schedule.segments[where, 0]), int(schedule.segments[where, 1])
-        what = (f"a gather item timed out on segment {where} (destination rank {dest}, columns "
-                f"{col}..): {seen} of {expected} GEMM2 tiles done")
-    elif code == k.ERR_COMM_SLOT:
-        what = (f"a gather item of segment {where} waited too long for one of {seen} "
-                "communication CTA slots")
-    elif code == k.ERR_FINALIZE_WAIT:
-        what = (f"finalize timed out waiting for sender rank {where}: arrival counter {seen}, "
-                f"expected >= {expected} (call {epoch})")
-    else:
-        what = (f"sender rank {where} reported a failed gather (arrival counter {seen}, "
-                f"call {epoch})")
-    ws.error.zero_()
-    raise RuntimeError(f"gemm2_gatherrs (Triton) on tp_ep rank {rank}: {what}. The workspace "
-                       "is unusable now; counters are out of step across ranks.")
-
-
 class _Call:
-    """One call's buffers and launches: `send` (the fused kernel), then `finish` (finalize)."""
+    """One call, prepared then run.
 
-    def __init__(self, h, w2, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan,
-                 timeout_s: float) -> None:
+    Construction does all the host work and needs only the metadata: the tables, the
+    arrival targets, one asynchronous H2D copy and the routing map's prefix sum, on the
+    current stream. The Megatron layer prepares the call before it launches FC1, so this
+    host work overlaps FC1 on the GPU. `send` launches the GEMM2 + scatter kernel and
+    `finish` the finalize; `run` does both. A prepared call must be run: its arrival
+    targets are already counted.
+
+    Args:
+        meta, ws, plan: as `gemm2_gatherrs_triton`.
+        hidden: H; dtype, device: of the operands.
+        timeout_s: bound of every spin-wait.
+        tile: tile configuration (default: `default_tile(device)`).
+    """
+
+    def __init__(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan, *,
+                 hidden: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
+                 tile: Optional[TileConfig] = None) -> None:
+        ws.check_errors(block=False)  # a previous call's timeout surfaces here
         self.ws, self.meta, self.plan = ws, meta, plan
-        device = self.device = h.device
-        self.hidden = hidden = w2.shape[1]
-        self.bm, self.bn, self.bk = tile_shape(device)
-        self.schedule = build_schedule(meta, hidden, self.bm, self.bn)
+        self.device = device = torch.device(device)
         self.gpu = device.type == "cuda"
+        self.dtype, self.hidden = dtype, hidden
+        self.tile = tile or default_tile(device)
+        self.rank = meta.ep_rank * meta.tp_size + meta.tp_rank
+        self.grid = max(1, plan.num_ctas or 1)
+        self.num_comm = int(plan.num_comm_ctas)
         # GPU: nanoseconds of the global timer; interpreter: polls (1000 per second asked).
         self.timeout = int(timeout_s * 1e9) if self.gpu else max(10, int(timeout_s * 1000))
-        ws.ensure_capacity(int(meta.recv_rows_per_rank.max(initial=0)))
+        if meta.routing_map is None:
+            raise ValueError("the Triton backend needs meta.routing_map "
+                             "(build_metadata(..., routing_map=...))")
+        lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
+        self.num_remote, self.num_local = len(lay.tiles_remote), len(lay.tiles_local)
+        tiles = np.concatenate([lay.tiles_remote, lay.tiles_local]).reshape(-1, k.TILE_FIELDS)
+        if self.tile.static:
+            tiles = tiles[wave_order(self.num_remote, self.num_local, self.grid,
+                                     self.num_comm)]
+        ws.ensure_capacity(int(lay.recv_rows.max(initial=0)))
         self.epoch = ws.next_epoch()
-        row_base = (self.epoch % 2) * ws.capacity_rows
-        self.row_base, self.target = row_base, self.epoch * self.schedule.splits
-        self.entries = torch.from_numpy(self.schedule.entries).to(device)
-        self.segs = torch.from_numpy(self.schedule.segments).to(device)
-        self.items = torch.from_numpy(self.schedule.items).to(device)
-        self.index = finalize_index(meta, row_base, device)
+        self.row_base = (self.epoch % 2) * ws.capacity_rows
+        targets = ws.add_expected_arrivals(lay.arrivals)
+        # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, tiles.
+        r2, n_base = 2 * meta.group_size, lay.finalize_base.size
+        host = torch.empty(r2 + n_base + tiles.size, dtype=torch.int32, pin_memory=self.gpu)
+        buf = host.numpy()
+        buf[:r2] = targets.astype(np.int64).view(np.int32)
+        buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
+        buf[r2 + n_base:] = tiles.reshape(-1)
+        dev = host.to(device, non_blocking=True)
+        self.targets = dev[:r2].view(torch.int64)
+        self.finalize_base = dev[r2: r2 + n_base]
+        self.tiles = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
+        self.rmap = meta.routing_map.view(torch.uint8)
+        self.cum = torch.cumsum(meta.routing_map, dim=0, dtype=torch.int32)
+        self.counters = torch.zeros(2, dtype=torch.int32, device=device)
+        self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
+        self.h = self.w2 = None
+        self.sent = False
+
+    def run(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """`send` then `finish`; returns [T, H]."""
+        self.send(h, w2)
+        return self.finish()
+
+    def send(self, h: torch.Tensor, w2: torch.Tensor) -> None:
+        """Launch the GEMM2 + scatter kernel on h [N, F] and w2 [L, H, F].
+
+        Raises:
+            RuntimeError: called twice.
+            ValueError: h / w2 do not match the prepared hidden size, dtype or device.
+        """
+        if self.sent:
+            raise RuntimeError("this prepared gemm2_gatherrs call was already run")
+        if w2.shape[1] != self.hidden or h.dtype != self.dtype or h.device != self.device:
+            raise ValueError(
+                f"call prepared for hidden={self.hidden}, {self.dtype} on {self.device}; got "
+                f"w2 {tuple(w2.shape)}, h {h.dtype} on {h.device}")
         self.h, self.w2 = h.contiguous(), w2.contiguous()
-        self.y = torch.empty(h.shape[0], hidden, dtype=h.dtype, device=device)
-        num_segs = len(self.schedule.segments)
-        # Zeroed per call: entry claim, CTAs communicating, unused, tiles done per segment,
-        # items finished per segment.
-        self.counters = torch.zeros(3 + 2 * num_segs, dtype=torch.int32, device=device)
-        self.out = torch.empty(meta.num_tokens, hidden, dtype=h.dtype, device=device)
-        self.rank = meta.ep_rank * meta.tp_size + meta.tp_rank
-        # TMA needs 16-byte aligned row strides and bases (e.g. not F = 12 in bf16).
         row_bytes = self.h.shape[1] * self.h.element_size()
         self.use_tma = self.gpu and row_bytes % 16 == 0 and all(
             t.data_ptr() % 16 == 0 for t in (self.h, self.w2))
-
-    def gemm_only(self, grid: int) -> None:
-        """The GEMM2 tiles alone (communication off), for the benchmark's producer timing;
-        zeroes the counters first. The call must not be finished afterwards."""
-        tiles = self.entries[self.entries[:, 0] >= 0].contiguous()
-        saved = self.entries
-        self.entries = tiles
-        try:
-            self.counters.zero_()
-            self.fused(grid, max_comm=1, num_entries=len(tiles))
-        finally:
-            self.entries = saved
-
-    def fused(self, grid: int, max_comm: int, num_entries: Optional[int] = None) -> None:
-        """Launch `_fused_kernel` on `grid` CTAs (counters must be zero)."""
-        ws, h, w2, y = self.ws, self.h, self.w2, self.y
-        num_contrib = self.meta.gather_index.shape[1]
-        kp = triton.next_power_of_2(num_contrib)
-        k._fused_kernel[(grid,)](
-            h, w2, y, self.entries,
-            len(self.schedule.entries) if num_entries is None else num_entries, self.counters,
-            len(self.schedule.segments), self.meta.gather_index, self.segs, self.items,
-            ws.peer_recv_ptrs, ws.peer_signal_ptrs, self.rank, self.row_base, max_comm,
-            max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0), w2.stride(0),
-            w2.stride(1), y.stride(0), self.timeout, ws.error,
-            BM=self.bm, BN=self.bn, BK=self.bk, K=num_contrib, KP=kp,
-            BS=max(8, GATHER_ROWS // kp) if self.gpu else 8, USE_TMA=self.use_tma,
-            USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4,
-            num_stages=3 if self.gpu else 1,
-        )
-
-    def finalize(self) -> None:
-        ws, meta = self.ws, self.meta
-        bt, bh = FINALIZE_BLOCK if self.gpu else (8, 16)
-        grid = (max(1, -(-meta.num_tokens // bt)), -(-self.hidden // bh))
-        k._finalize_kernel[grid](
-            ws.recv, self.index, self.out, ws.signals, meta.num_tokens, self.hidden,
-            meta.group_size, self.target, self.timeout, ws.error, BT=bt, BH=bh,
-            USE_TIMER=self.gpu, num_warps=4,
-        )
-
-    def send(self) -> None:
-        """GEMM2 tiles and gather items, all in one persistent launch."""
-        plan, ws = self.plan, self.ws
-        if not self.gpu:
-            self.fused(1, max_comm=1)
-            return
-        _ensure_allocator()
-        grid = plan.num_ctas or 1
-        key = (self.h.dtype, self.meta.gather_index.shape[1], self.hidden, self.h.shape[1])
-        self.fused(grid, plan.num_comm_ctas)
-        key = key + (self.use_tma,)
-        if key not in ws.compiled:
+        self._launch(self.tiles, self.grid, self.num_remote, self.num_local)
+        self.sent = True
+        ws = self.ws
+        key = ("v4", self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile)
+        if self.gpu and key not in ws.compiled:
             # First call of this specialisation: line the ranks up after their JIT
             # compilation, so that no rank's finalize waits out another's compile.
             torch.cuda.current_stream(self.device).synchronize()
@@ -308,11 +332,52 @@ class _Call:
                 dist.barrier(group=ws.group)
             ws.compiled.add(key)
 
-    def finish(self) -> torch.Tensor:
-        """Finalize, then raise on a recorded timeout (reads the error record: a host sync);
-        returns [T, H]."""
+    def gemm_only(self, grid: Optional[int] = None) -> None:
+        """The GEMM2 tiles alone, every tile stored into this rank's own buffer and no
+        signal sent (communication off): the benchmark's producer timing. Only after
+        `finish` (uses this call's tables and operands); does not touch the epochs."""
+        if not self.sent:
+            raise RuntimeError("gemm_only needs a call that was run")
+        tiles = self.tiles.clone()
+        tiles[:, 4] = self.rank
+        self._launch(tiles, grid or self.grid, num_remote=0,
+                     num_local=self.num_remote + self.num_local)
+
+    def _launch(self, tiles, grid: int, num_remote: int, num_local: int) -> None:
+        ws, h, w2, t = self.ws, self.h, self.w2, self.tile
+        if self.gpu:
+            _ensure_allocator()
+        if not t.static:
+            self.counters.zero_()
+        k._gemm_scatter_kernel[(grid,)](
+            h, w2, tiles, num_remote, num_local, self.counters, ws.peer_recv_ptrs,
+            ws.peer_signal_ptrs, self.rank, self.row_base, self.num_comm, max(1, h.shape[0]),
+            h.shape[1], self.hidden, w2.shape[0], h.stride(0), w2.stride(0), w2.stride(1),
+            BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    def finalize(self) -> None:
+        """`_finalize_kernel` on the current stream (waits for the arrivals)."""
+        ws, meta = self.ws, self.meta
+        bt, bh = FINALIZE_BLOCK if self.gpu else (8, 16)
+        grid = (max(1, -(-meta.num_tokens // bt)), -(-self.hidden // bh))
+        k._finalize_kernel[grid](
+            ws.recv, self.rmap, self.cum, self.finalize_base, self.out, ws.signals,
+            self.targets, meta.num_tokens, self.hidden, self.rmap.shape[1], meta.group_size,
+            self.rank, self.row_base, self.timeout, ws.error, TP=meta.tp_size, BT=bt, BH=bh,
+            USE_TIMER=self.gpu, num_warps=4,
+        )
+
+    def finish(self, sync_errors: bool = False) -> torch.Tensor:
+        """Finalize; returns [T, H]. The error record is checked now (`sync_errors`, and
+        always off the GPU) or at the next call on the workspace."""
+        if not self.sent:
+            raise RuntimeError("_Call.finish before send")
         self.finalize()
-        _raise_on_error(self.ws, self.schedule, self.epoch)
+        self.ws.record_error_check()
+        if sync_errors or not self.gpu:
+            self.ws.check_errors(block=True)
         return self.out
 
 
@@ -324,19 +389,26 @@ def gemm2_gatherrs_triton(
     workspace: GatherRSWorkspace,
     plan: Plan,
     timeout_s: float,
+    sync_errors: bool = False,
+    tile: Optional[TileConfig] = None,
 ) -> torch.Tensor:
     """The fused op on the Triton kernels; same contract as `gemm2_gatherrs_reference`.
 
     Args:
-        h, w2, meta: as `gemm2_gatherrs_reference`.
+        h, w2, meta: as `gemm2_gatherrs_reference` (`meta` built with `routing_map`).
         workspace: this group's `GatherRSWorkspace` (`symm.get_workspace`).
-        plan: the resource manager's plan (grid, most CTAs storing to peers at once).
+        plan: the resource manager's plan (grid, CTAs taking remote-bound tiles first).
         timeout_s: bound on every spin-wait.
+        sync_errors: check the error record before returning (a host sync) instead of at
+            the next call on the workspace.
+        tile: GEMM2 tile configuration (default `default_tile`).
 
     Raises:
-        RuntimeError: a bounded wait expired (names the rank, the segment or sender, what it
-            saw and what it waited for).
+        RuntimeError: a bounded wait of this call (with `sync_errors`) or of an earlier call
+            on the workspace expired (names the rank, the sender, what it saw and what it
+            waited for).
     """
-    call = _Call(h, w2, meta, workspace, plan, timeout_s)
-    call.send()
-    return call.finish()
+    call = _Call(meta, workspace, plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
+                 timeout_s=timeout_s, tile=tile)
+    call.send(h, w2)
+    return call.finish(sync_errors=sync_errors)

@@ -1,9 +1,9 @@
-"""The fused kernel's host-side schedule and the benchmark report, on the CPU.
+"""The fused kernel's host-side tables and the benchmark report, on the CPU.
 
-The queue order is what makes the persistent kernel deadlock-free: a gather item may only
-wait for GEMM2 tiles that come before it in the queue (they are claimed, hence running, by
-the time any CTA claims the item). These tests check that, and that the tiles cover every
-(row, column block) exactly once and the items every slot exactly once.
+The tile list and the receive layout are what the kernels trust blindly: these tests check
+that the tiles cover every (row, column block) exactly once, that every sender's tiles land
+each (token, expert) row exactly where the receiver's finalize index looks for it, that the
+arrival counts match the tiles sent, and that the wave order keeps k remote tiles per wave.
 """
 
 from __future__ import annotations
@@ -15,63 +15,80 @@ import pytest
 
 from megatron_overlap.bench import report
 from megatron_overlap.bench.workloads import rank_rows, routing_maps
-from megatron_overlap.ops.triton_gemm2_gatherrs import build_schedule, split_columns
+from megatron_overlap.ops.triton_gemm2_gatherrs import (
+    direct_layout,
+    contribution_rows,
+    wave_order,
+)
 
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)]
 
 
 @pytest.mark.parametrize("tp,ep", LAYOUTS)
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "sparse"])
-def test_schedule_covers_everything_in_a_safe_order(tp, ep, routing):
+def test_tiles_land_where_the_finalize_reads(tp, ep, routing):
     hidden, bm, bn = 300, 16, 32
     r = tp * ep
-    maps = routing_maps([37 + 11 * g for g in range(r)], 4 * ep, 2, routing, seed=3)
+    num_experts, topk = 4 * ep, 2
+    maps = routing_maps([37 + 11 * g for g in range(r)], num_experts, topk, routing, seed=3)
+    layouts, all_rows = [], []
     for rank in range(r):
-        meta = rank_rows(maps, tp=tp, ep=ep, rank=rank, topk=2).meta
-        sched = build_schedule(meta, hidden, bm, bn, slots_per_item=8)
-        entries, segs, items = sched.entries, sched.segments, sched.items
-        tiles = entries[entries[:, 0] >= 0]
+        rows = rank_rows(maps, tp=tp, ep=ep, rank=rank, topk=topk)
+        lay = direct_layout(rows.meta, hidden, bm, bn)
+        layouts.append(lay)
+        all_rows.append(rows)
+    # Simulated receive halves: (sender, source token, global expert) of every stored row.
+    recv = [dict() for _ in range(r)]
+    for s, (lay, rows) in enumerate(zip(layouts, all_rows)):
+        meta = rows.meta
+        tiles = np.concatenate([lay.tiles_remote, lay.tiles_local])
+        assert (lay.tiles_remote[:, 4] != s).all() and (lay.tiles_local[:, 4] == s).all()
         n_rows = int(meta.tokens_per_local_expert.sum())
-        # Every (row, column block) exactly once; tiles stay within one expert's rows.
         cover = np.zeros((n_rows, -(-hidden // bn)), dtype=int)
         starts = np.concatenate([[0], np.cumsum(meta.tokens_per_local_expert)])
-        for expert, r0, r1, n0, _ in tiles:
-            assert starts[expert] <= r0 < r1 <= starts[expert + 1]
-            assert r1 - r0 <= bm
+        for expert, r0, r1, n0, dest, drow in tiles:
+            assert starts[expert] <= r0 < r1 <= starts[expert + 1] and r1 - r0 <= bm
+            assert (rows.row_source[r0:r1] == dest).all()  # one source chunk per tile
             cover[r0:r1, n0 // bn] += 1
+            assert drow + (r1 - r0) <= layouts[dest].recv_rows[dest]
+            for i in range(r1 - r0):
+                key = (int(drow) + i, int(n0))
+                ident = (s, int(rows.row_token[r0 + i]),
+                         int(meta.ep_rank * meta.num_local_experts + expert))
+                assert recv[dest].setdefault(key, ident) == ident, "two rows, one place"
         assert (cover == 1).all()
-        # Segment bookkeeping: expected tiles, one segment per (destination, split).
-        splits, _ = split_columns(hidden, bn)
-        assert sched.splits == splits and len(segs) == r * splits
-        pairs = {(int(g), int(c)) for g, c in segs[:, :2]}
-        assert len(pairs) == len(segs) and {g for g, _ in pairs} == set(range(r))
-        for seg in range(len(segs)):
-            assert (tiles[:, 4] == seg).sum() == segs[seg, 2]
-        # Remote destinations first, this rank's own segments last.
-        assert (segs[-splits:, 0] == rank).all() and (segs[:-splits, 0] != rank).all()
-        # Items cover each segment's slots exactly once, and come after its last tile.
-        position = {}
-        for pos, (kind, ref, *_rest) in enumerate(entries):
-            if kind < 0:
-                position[ref] = pos
-        last_tile = {seg: np.nonzero((entries[:, 0] >= 0) & (entries[:, 4] == seg))[0].max(
-            initial=-1) for seg in range(len(segs))}
-        for seg in range(len(segs)):
-            mine = np.nonzero(items[:, 0] == seg)[0]
-            assert len(mine) >= 1 and (items[mine, 3] == len(mine)).all()
-            got = np.zeros(segs[seg, 4], dtype=int)
-            for i in mine:
-                got[items[i, 1] : items[i, 2]] += 1
-                assert position[i] > last_tile[seg]
-            assert (got == 1).all()
+        # Arrivals: what every sender stores here, counted by the receiver.
+        for g in range(r):
+            sent = int((tiles[:, 4] == g).sum()) if g != s else 0
+            assert layouts[g].arrivals[s] == sent
+    # The finalize index of every rank reads exactly its own pairs, once per TP sender.
+    for g, (lay, rows) in enumerate(zip(layouts, all_rows)):
+        index = contribution_rows(rows.meta, lay)  # [T, E, TP]
+        token_of, expert_of = maps[g].nonzero(as_tuple=True)
+        want = sorted((int(t), int(e), ep_tp) for t, e in zip(token_of, expert_of)
+                      for ep_tp in range(tp))
+        got = []
+        for t, e, ep_tp in (index >= 0).nonzero().tolist():
+            s, tok, expert = recv[g][(int(index[t, e, ep_tp]), 0)]
+            assert (tok, expert, s % tp, s // tp) == (t, e, ep_tp, e // (num_experts // ep))
+            got.append((t, e, ep_tp))
+        assert sorted(got) == want
 
 
-def test_split_columns():
-    assert split_columns(4096, 128) == (4, 1024)
-    assert split_columns(2048, 128) == (2, 1024)
-    assert split_columns(40, 16) == (1, 48)
-    splits, width = split_columns(5000, 128)
-    assert width % 128 == 0 and splits * width >= 5000 > (splits - 1) * width
+@pytest.mark.parametrize("num_remote,num_local,grid,k", [
+    (10, 30, 8, 2), (30, 10, 8, 6), (0, 5, 4, 1), (5, 0, 4, 1), (7, 7, 1, 1), (9, 20, 4, 9)])
+def test_wave_order(num_remote, num_local, grid, k):
+    order = wave_order(num_remote, num_local, grid, k)
+    assert sorted(order.tolist()) == list(range(num_remote + num_local))
+    is_remote = order < num_remote
+    kc = min(max(k, 1), grid - 1) if grid > 1 else grid
+    for w in range(0, len(order), grid):
+        wave = is_remote[w : w + grid]
+        left_r, left_l = is_remote[w:].sum(), (~is_remote[w:]).sum()
+        if grid > 1 and left_r >= kc and left_l >= grid - kc and len(wave) == grid:
+            assert wave.sum() == kc, (w, wave)
+    # Within each kind, the original order is kept (remote destinations round-robin).
+    assert (np.diff(order[is_remote]) > 0).all() and (np.diff(order[~is_remote]) > 0).all()
 
 
 def test_report_table_and_plot(tmp_path):

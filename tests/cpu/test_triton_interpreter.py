@@ -1,8 +1,9 @@
 """The Triton kernels' logic on the CPU, in Triton's interpreter (TRITON_INTERPRET=1).
 
 One process plays every rank of a TP x EP layout: each rank's "peer" buffers are the other
-ranks' workspaces (`symm.local_workspaces`). All ranks send (producer, then consumer), then
-all finalize; outputs are checked against the dense formula, over several calls on the same
+ranks' workspaces (`symm.local_workspaces`). All ranks send (the GEMM2 + scatter kernel;
+one program, or several with the static wave-ordered list or dynamic claims), then all
+finalize; outputs are checked against the dense formula, over several calls on the same
 workspaces with new routing, sizes and data each call (both receive-buffer halves, growing
 epochs). Concurrency and memory ordering are not exercised here (the interpreter runs one
 program at a time): the GPU tests cover them.
@@ -12,6 +13,7 @@ Runs in a subprocess because the interpreter must be chosen before the kernels a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -46,25 +48,33 @@ def _cases():
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
 
-    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.ops.triton_gemm2_gatherrs import INTERPRETER_TILE, _Call
     from megatron_overlap.resource import Plan
     from megatron_overlap.symm import local_workspaces
     from tests.support.asserts import describe_mismatch
     from tests.support.op_problem import dense_output, rank_operands
 
     plan = Plan(num_comm_ctas=1, num_ctas=1, source="test")
+    # (plan, tile) variants, one per case in turn: one program; several programs with the
+    # wave-ordered list (k remote-first CTAs); several programs claiming tiles dynamically.
+    variants = [(plan, INTERPRETER_TILE),
+                (Plan(num_comm_ctas=1, num_ctas=3, source="test"), INTERPRETER_TILE),
+                (Plan(num_comm_ctas=2, num_ctas=3, source="test"),
+                 dataclasses.replace(INTERPRETER_TILE, static=False))]
     report, spaces = {}, {}
-    for case in _cases():
+    for n, case in enumerate(_cases()):
+        call_plan, tile = variants[n % len(variants)]
         r = case.tp * case.ep
         if (case.tp, case.ep) not in spaces:
             spaces[(case.tp, case.ep)] = local_workspaces(
                 r, hidden=case.hidden, dtype=case.dtype, device="cpu", capacity_rows=256)
         ws = spaces[(case.tp, case.ep)]
         operands = [rank_operands(case, g) for g in range(r)]
-        calls = [_Call(h, w2, meta, ws[g], plan, timeout_s=30.0)
+        calls = [_Call(meta, ws[g], call_plan, hidden=w2.shape[1], dtype=h.dtype,
+                       device=h.device, timeout_s=30.0, tile=tile)
                  for g, (h, w2, meta) in enumerate(operands)]
-        for call in calls:
-            call.send()
+        for call, (h, w2, _) in zip(calls, operands):
+            call.send(h, w2)
         outs = [call.finish() for call in calls]
         for g, out in enumerate(outs):
             key = f"{case} rank {g}"
@@ -74,8 +84,9 @@ def _simulate() -> dict:
     ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
                           capacity_rows=256)
     h, w2, meta = rank_operands(case, 0)
-    call = _Call(h, w2, meta, ws[0], plan, timeout_s=0.02)
-    call.send()
+    call = _Call(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
+                 timeout_s=0.02)
+    call.send(h, w2)
     try:
         call.finish()
         report["timeout"] = "no error raised"

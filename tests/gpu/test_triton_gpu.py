@@ -2,8 +2,9 @@
 counts and layouts, plus the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs.
 
 bf16 tolerance 2 ** -6 relative to the case's largest |output| (as the CPU suites): the
-kernels and the reference both round the GEMM2 rows and the pre-reduced rows to bf16, but
-the kernels' tensor-core dot accumulates in another order than cuBLAS.
+kernels round each GEMM2 row to bf16 and sum a token's rows in fp32 once; the reference
+rounds the GEMM2 rows, then the pre-reduced rows, to bf16; and the kernels' tensor-core dot
+accumulates in another order than cuBLAS.
 """
 
 from __future__ import annotations
@@ -116,29 +117,50 @@ def test_triton_matches_reference(world):
         assert not bad, (rank, bad)
 
 
-def _timeout_worker(rank: int, world: int) -> str:
-    from megatron_overlap.symm import destroy_workspaces
+def _timeout_worker(rank: int, world: int) -> list:
+    """Rank 1 skips a call: rank 0's finalize must time out, the record must name the rank
+    and the sender, both when checked at once and when the next call finds it."""
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import gemm2_gatherrs
+    from megatron_overlap.symm import destroy_workspaces, get_workspace
 
     case = OpCase(1, 2, num_experts=4, topk=2, tokens_per_rank=[64, 64], hidden=256, ffn=128,
                   dtype=torch.bfloat16)
     _run(case, rank)  # compile + warm-up on both ranks
-    message = "rank 1 skipped the call"
+    messages = ["rank 1 skipped the calls"]
     if rank == 0:
-        try:
-            _run(case, rank, timeout_s=2.0)
-            message = "no error"
-        except RuntimeError as err:
-            message = str(err)
+        h, w2, meta = rank_operands(case, rank)
+        h, w2, meta = h.cuda(), w2.cuda(), meta.to("cuda")
+        opts = GatherRSOptions(backend="triton", timeout_s=2.0)
+        ws = get_workspace(dist.group.WORLD, hidden=case.hidden, dtype=h.dtype,
+                           device=h.device)
+        messages = []
+        with torch.no_grad():
+            gemm2_gatherrs(h, w2, meta, group=dist.group.WORLD, options=opts)
+            try:
+                ws.check_errors(block=True)
+                messages.append("no error (checked at once)")
+            except RuntimeError as err:
+                messages.append(str(err))
+            gemm2_gatherrs(h, w2, meta, group=dist.group.WORLD, options=opts)
+            torch.cuda.synchronize()
+            try:
+                gemm2_gatherrs(h, w2, meta, group=dist.group.WORLD, options=opts)
+                messages.append("no error (at the next call)")
+            except RuntimeError as err:
+                messages.append(str(err))
     dist.barrier()
     destroy_workspaces()
-    return message
+    return messages
 
 
 def test_timeout_names_rank_and_sender():
     _needs_gpus(2)
-    messages = run_distributed(_timeout_worker, 2, timeout_s=300, backend="nccl")
-    assert "tp_ep rank 0" in messages[0], messages[0]
-    assert "waiting for sender rank 1" in messages[0], messages[0]
+    messages = run_distributed(_timeout_worker, 2, timeout_s=300, backend="nccl")[0]
+    assert len(messages) == 2, messages
+    for message in messages:
+        assert "tp_ep rank 0" in message, message
+        assert "waiting for sender rank 1" in message, message
 
 
 @pytest.mark.parametrize("world", [1, 2])
