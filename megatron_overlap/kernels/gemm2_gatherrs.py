@@ -1,6 +1,6 @@
 """Triton kernels of the tile-signaled GEMM2 + GatherRS operation (DESIGN.md §1, §3), v4.
 
-Two kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
+Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
 
 * `_gemm_scatter_kernel` (persistent): GEMM2 tiles y[r0:r1, n0:n0+BN] =
   h[r0:r1] @ w2[l, n0:n0+BN]^T of every local expert l (bf16/fp16 in, fp32 accumulation,
@@ -23,9 +23,10 @@ Two kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
 * `_finalize_kernel`: waits until every other rank's arrival counter reaches this call's
   target (acquire, system scope; targets are cumulative over calls, counters are never
   reset), then sums each token's rows (its top-k experts' outputs, times TP partials) in a
-  fixed order (expert ascending, then TP rank) into the output: deterministic. It finds the
-  rows from the routing map and its prefix sum over tokens (row = base[tp, e] + rank of the
-  token among expert e's tokens), so no per-call index has to be built.
+  fixed order (expert ascending, then TP rank) into the output: deterministic. The rows of
+  each token come from `_index_kernel` (row = base[tp, e] + rank of the token among expert
+  e's tokens, from the routing map and its prefix sum over tokens), which needs only the
+  routing map and so runs when the call is prepared, before FC1.
 
 No pre-reduction happens before the rows travel: every (token, expert) row is stored once,
 where it is summed (the design brief's gather-then-send needs y written, re-read and
@@ -196,19 +197,47 @@ def _gemm_scatter_kernel(
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_experts", "num_ranks", "my_rank",
-                               "row_base", "timeout_ns"])
-def _finalize_kernel(
-    recv_ptr, rmap_ptr, cum_ptr, base_ptr, out_ptr, sig_ptr, targets_ptr, num_tokens, H,
-    num_experts, num_ranks, my_rank, row_base, timeout_ns, err_ptr, TP: tl.constexpr,
-    BT: tl.constexpr, BH: tl.constexpr, USE_TIMER: tl.constexpr,
-):
-    """out[t] = sum over experts e with rmap[t, e] (ascending), then TP ranks tp, of
-    recv[row_base + base[tp, e] + cum[t, e]] (fp32 sum, fixed order).
+@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
+def _index_kernel(rmap_ptr, cum_ptr, base_ptr, index_ptr, num_tokens, num_experts,
+                  TP: tl.constexpr, K: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr):
+    """index[t, j * TP + tp] = base[tp, e_j] + cum[t, e_j] for token t's j-th expert e_j
+    (ascending), -1 past its last one.
 
     rmap: uint8 [T, E] routing map; cum: int32 [T, E] its inclusive prefix sum over tokens
-    (so cum[t, e] - 1 is t's rank among expert e's tokens); base: int32 [TP, E]; targets:
-    int64 [R], the arrival count each other rank must have reached first.
+    (cum[t, e] - 1 is t's rank among expert e's tokens); base: int32 [TP, E]; index: int32
+    [T, K * TP]. Needs only the routing map: launched when the call is prepared.
+    """
+    tokens = tl.program_id(0) * BT + tl.arange(0, BT)
+    experts = tl.arange(0, EP2)
+    t_ok = tokens < num_tokens
+    at = tokens.to(tl.int64)[:, None] * num_experts + experts[None, :]
+    sel = tl.load(rmap_ptr + at, mask=t_ok[:, None] & (experts[None, :] < num_experts),
+                  other=0) != 0
+    cum = tl.load(cum_ptr + at, mask=sel, other=0)
+    prev = tl.full((BT,), -1, tl.int32)
+    for j in tl.static_range(K):
+        cand = sel & (experts[None, :] > prev[:, None])
+        e_j = tl.min(tl.where(cand, experts[None, :], EP2), axis=1)  # EP2: none left
+        found = e_j < EP2
+        rank = tl.sum(tl.where(experts[None, :] == e_j[:, None], cum, 0), axis=1)
+        for tp in tl.static_range(TP):
+            base = tl.load(base_ptr + tp * num_experts + e_j, mask=found, other=0)
+            tl.store(index_ptr + tokens.to(tl.int64) * (K * TP) + j * TP + tp,
+                     tl.where(found, base + rank, -1), mask=t_ok)
+        prev = tl.where(found, e_j, EP2)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_ranks", "my_rank", "row_base",
+                               "timeout_ns"])
+def _finalize_kernel(
+    recv_ptr, index_ptr, out_ptr, sig_ptr, targets_ptr, num_tokens, H, num_ranks, my_rank,
+    row_base, timeout_ns, err_ptr, C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    """out[t] = sum over c < C of recv[row_base + index[t, c]] (fp32 sum, fixed order).
+
+    index: int32 [T, C] (`_index_kernel`; -1: none); targets: int64 [R], the arrival count
+    each other rank must have reached first.
     """
     num_bad = 0
     for s in range(num_ranks):
@@ -227,16 +256,11 @@ def _finalize_kernel(
         cols = tl.program_id(1) * BH + tl.arange(0, BH)
         t_ok = tokens < num_tokens
         c_ok = cols < H
-        at = tokens.to(tl.int64) * num_experts
         acc = tl.zeros((BT, BH), dtype=tl.float32)
-        for e in range(num_experts):
-            sel = tl.load(rmap_ptr + at + e, mask=t_ok, other=0) != 0
-            if tl.max(sel.to(tl.int32), axis=0) > 0:
-                rank_in_expert = tl.load(cum_ptr + at + e, mask=sel, other=0)
-                for tp in tl.static_range(TP):
-                    rows = row_base + tl.load(base_ptr + tp * num_experts + e) + rank_in_expert
-                    v = tl.load(recv_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                                mask=sel[:, None] & c_ok[None, :], other=0.0)
-                    acc += v.to(tl.float32)
+        for c in tl.static_range(C):
+            rows = tl.load(index_ptr + tokens.to(tl.int64) * C + c, mask=t_ok, other=-1)
+            v = tl.load(recv_ptr + (row_base + rows[:, None]).to(tl.int64) * H + cols[None, :],
+                        mask=(rows[:, None] >= 0) & c_ok[None, :], other=0.0)
+            acc += v.to(tl.float32)
         tl.store(out_ptr + tokens[:, None].to(tl.int64) * H + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])

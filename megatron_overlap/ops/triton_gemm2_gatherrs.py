@@ -14,8 +14,8 @@ Per call, on this rank (DESIGN.md §3):
   1. host: the tile list (`direct_layout`): remote-bound tiles (destinations round-robin
      after this rank) and local tiles, wave-ordered for the plan's k communication CTAs;
      the arrival targets; all in one pinned int32 buffer, one asynchronous H2D copy;
-  2. device, current stream: the routing map's prefix sum over tokens (the finalize finds
-     each token's rows from it), then, once h exists, `_gemm_scatter_kernel` (persistent,
+  2. device, current stream: the finalize index (the routing map's prefix sum over tokens,
+     then `_index_kernel`), then, once h exists, `_gemm_scatter_kernel` (persistent,
      `plan.num_ctas` CTAs) and `_finalize_kernel`. Step 1 and the prefix sum only need the
      metadata: `_Call` does them at construction ("prepare"), which the Megatron layer does
      before FC1;
@@ -208,8 +208,8 @@ def wave_order(num_remote: int, num_local: int, grid: int, num_comm: int) -> np.
 
 def contribution_rows(meta: GatherRSMetadata, layout: DirectLayout) -> torch.Tensor:
     """int64 [T, E, TP]: the receive-half row holding token t's expert-e output from TP rank
-    tp, -1 where t is not routed to e; what `_finalize_kernel` computes on the fly (tests,
-    debugging).
+    tp, -1 where t is not routed to e; `_index_kernel` compacts it to [T, top-k * TP] (a
+    torch twin for tests and debugging).
 
     Raises:
         ValueError: `meta` has no routing map.
@@ -291,8 +291,17 @@ class _Call:
         self.targets = dev[:r2].view(torch.int64)
         self.finalize_base = dev[r2: r2 + n_base]
         self.tiles = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
-        self.rmap = meta.routing_map.view(torch.uint8)
-        self.cum = torch.cumsum(meta.routing_map, dim=0, dtype=torch.int32)
+        rmap = meta.routing_map.view(torch.uint8)
+        cum = torch.cumsum(meta.routing_map, dim=0, dtype=torch.int32)
+        kmax = max(1, min(int(meta.topk or rmap.shape[1]), rmap.shape[1]))
+        self.index = torch.empty(meta.num_tokens, kmax * meta.tp_size, dtype=torch.int32,
+                                 device=device)
+        if meta.num_tokens:
+            bt = 16
+            k._index_kernel[(-(-meta.num_tokens // bt),)](
+                rmap, cum, self.finalize_base, self.index, meta.num_tokens, rmap.shape[1],
+                TP=meta.tp_size, K=kmax, EP2=max(16, triton.next_power_of_2(rmap.shape[1])),
+                BT=bt, num_warps=4)
         self.counters = torch.zeros(2, dtype=torch.int32, device=device)
         self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
         self.h = self.w2 = None
@@ -363,10 +372,9 @@ class _Call:
         bt, bh = FINALIZE_BLOCK if self.gpu else (8, 16)
         grid = (max(1, -(-meta.num_tokens // bt)), -(-self.hidden // bh))
         k._finalize_kernel[grid](
-            ws.recv, self.rmap, self.cum, self.finalize_base, self.out, ws.signals,
-            self.targets, meta.num_tokens, self.hidden, self.rmap.shape[1], meta.group_size,
-            self.rank, self.row_base, self.timeout, ws.error, TP=meta.tp_size, BT=bt, BH=bh,
-            USE_TIMER=self.gpu, num_warps=4,
+            ws.recv, self.index, self.out, ws.signals, self.targets, meta.num_tokens,
+            self.hidden, meta.group_size, self.rank, self.row_base, self.timeout, ws.error,
+            C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=4,
         )
 
     def finish(self, sync_errors: bool = False) -> torch.Tensor:
