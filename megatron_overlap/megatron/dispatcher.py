@@ -155,7 +155,11 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             raise RuntimeError("gemm2_gatherrs_combine called before dispatch_postprocess")
         if self._num_sms is None and h.is_cuda:
             self._num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-        self.plan = plan_gemm2_gatherrs(self.metadata, self.options, num_sms=self._num_sms)
+        me = self.ep_rank * self.tp_size + self.tp_rank  # rows of my tokens, x TP partials:
+        recv_rows = int(self._counts[me, : self._counts.shape[1] - self.ep_size].sum())
+        self.plan = plan_gemm2_gatherrs(
+            self.metadata, self.options, num_sms=self._num_sms, hidden=w2.shape[1],
+            ffn=w2.shape[2], elem_bytes=h.element_size(), recv_rows=recv_rows * self.tp_size)
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,

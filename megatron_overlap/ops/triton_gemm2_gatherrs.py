@@ -298,7 +298,7 @@ class _Call:
         _ensure_allocator()
         grid = plan.num_ctas or 1
         key = (self.h.dtype, self.meta.gather_index.shape[1], self.hidden, self.h.shape[1])
-        self.fused(grid, plan.num_comm_ctas)
+        self.fused(grid, max(1, plan.num_comm_ctas))  # 0: "no-remote" plan
         key = key + (self.use_tma,)
         if key not in ws.compiled:
             # First call of this specialisation: line the ranks up after their JIT
