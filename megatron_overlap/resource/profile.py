@@ -231,8 +231,12 @@ def _load_cached(path: str, mtime_ns: int) -> HardwareProfile:
     return profile_from_dict(data, where=path)
 
 
+_BY_NAME: dict = {}
+
+
 def load_profile(name_or_path: Optional[Union[str, Path]] = None) -> HardwareProfile:
-    """Load (and cache) a hardware profile.
+    """Load a hardware profile; cached per process by name or path (the resource manager
+    calls this before every launch: no file system access after the first call).
 
     Args:
         name_or_path: a name in `HARDWARE_DIR` ("h200") or a YAML path; None: the value of
@@ -243,8 +247,12 @@ def load_profile(name_or_path: Optional[Union[str, Path]] = None) -> HardwarePro
     """
     if name_or_path is None:
         name_or_path = os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
-    path = _resolve(name_or_path)
-    return _load_cached(str(path), path.stat().st_mtime_ns)
+    key = str(name_or_path)
+    profile = _BY_NAME.get(key)
+    if profile is None:
+        path = _resolve(name_or_path)
+        profile = _BY_NAME[key] = _load_cached(str(path), path.stat().st_mtime_ns)
+    return profile
 
 
 def save_profile(profile: HardwareProfile, path: Union[str, Path], header: str = "") -> None:
