@@ -48,7 +48,9 @@ from megatron_overlap.resource.profile import (  # noqa: E402
     save_profile,
 )
 
-DEFAULT_FFN = (384, 768, 1408, 2048, 4096, 7168, 14336)
+DEFAULT_FFN = (384, 704, 768, 1408, 3200, 6400, 7168, 14336)
+"""The F (per TP rank) of the oracle suite's shapes (EP=2 and TP=2): each is one kernel
+compilation, so --ffn with fewer values shortens a run."""
 DEFAULT_CTAS = (1, 2, 4, 8, 16, 32, 64, 0)  # 0: the whole grid (one CTA per SM)
 
 
@@ -181,7 +183,10 @@ def measure_link(args, device, timed, num_sms: int):
     world, rank = dist.get_world_size(), dist.get_rank()
     numel = args.store_mib * (1 << 20) // 2
     buf = symm_mem.empty(numel, dtype=torch.bfloat16, device=device)
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # as megatron_overlap.symm does
+        symm_mem.enable_symm_mem_for_group(name)
+    handle = symm_mem.rendezvous(buf, name)
     peer = handle.get_buffer((rank + 1) % world, (numel,), torch.bfloat16)
     src = torch.randn(numel, device=device).to(torch.bfloat16)
     rows = []
