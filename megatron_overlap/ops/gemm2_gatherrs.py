@@ -162,7 +162,8 @@ def gemm2_gatherrs(
 
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms)
+        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms, hidden=w2.shape[1],
+                                   ffn=h.shape[1], elem_bytes=h.element_size())
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h.dtype, device=h.device)
     return gemm2_gatherrs_triton(h, w2, meta, workspace=workspace, plan=plan,
                                  timeout_s=options.timeout_s)

@@ -1,20 +1,125 @@
-"""Resource manager: picks the communication CTAs and the SM partition before every launch.
+"""Resource manager: picks the communication CTAs and the grid before every launch.
 
-This version returns a fixed plan; the analytical wave-quantized model (DESIGN.md §4, C++
-solver in `csrc/`) replaces `plan_gemm2_gatherrs`'s body without changing its signature.
+`plan_gemm2_gatherrs` reads the call's routing metadata, the kernel's resources and a
+hardware profile (`configs/hardware/*.yaml`), and solves the wave-quantized model of
+DESIGN.md §4 as written down in `resource.model` (docs/resource_model.md): nothing is
+measured, compiled or tried at run time. The solver is C++ (`csrc/solver.cpp`, built with
+the package); the Python twin in `resource.model` stands in, with a one-time warning, where
+the extension is not built.
+
+Shape symbols: H hidden size, F expert FFN width per TP rank, L local experts, R = TP * EP
+ranks; G grid CTAs = S SMs x o_p CTAs per SM; k communication CTAs (CTAs with pid < k claim
+remote-bound tiles first).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 from megatron_overlap.config import GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
+from megatron_overlap.resource import model as _model
+from megatron_overlap.resource.profile import HardwareProfile, load_profile
+from megatron_overlap.resource.solver import implementation
+
+__all__ = [
+    "DEFAULT_KERNEL_RESOURCES",
+    "DEFAULT_NUM_COMM_CTAS",
+    "DEFAULT_TILE",
+    "HardwareProfile",
+    "KernelResources",
+    "Plan",
+    "PlanBreakdown",
+    "kernel_resources_from_compiled",
+    "load_profile",
+    "plan_gemm2_gatherrs",
+]
 
 DEFAULT_NUM_COMM_CTAS = 16
-"""Fixed choice until the solver lands: on 2x H200 (NV18) Triton peer stores moved ~238 GB/s
+"""Communication CTAs when the model cannot run: no SM count (CPU / reference backend) or
+no hidden/ffn sizes from the caller. On 2x H200 (NV18) Triton peer stores moved ~238 GB/s
 with 16 CTAs against ~257 GB/s with 32 (DESIGN.md §4), so 16 is near the link's knee."""
+
+DEFAULT_TILE = (128, 256, 64)
+"""(BM, BN, BK) of the fused kernel's GEMM2 tiles (`ops.triton_gemm2_gatherrs.BLOCK_*`)."""
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What one CTA of the compiled fused kernel takes on an SM.
+
+    From a compiled Triton kernel: `kernel_resources_from_compiled(compiled)`
+    (`compiled.n_regs`, `compiled.metadata.shared`, `num_warps * 32`).
+
+    Raises:
+        TypeError: a field is not an int.
+        ValueError: a field is out of range (registers < 1, shared memory < 0, threads < 1).
+    """
+
+    registers_per_thread: int
+    shared_bytes: int
+    """Shared memory per CTA in bytes (static + dynamic)."""
+    threads_per_cta: int
+
+    def __post_init__(self) -> None:
+        for key, minimum in (("registers_per_thread", 1), ("shared_bytes", 0),
+                             ("threads_per_cta", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"KernelResources.{key}={value!r}: expected an int")
+            if value < minimum:
+                raise ValueError(f"KernelResources.{key}={value}: expected >= {minimum}")
+
+
+DEFAULT_KERNEL_RESOURCES = KernelResources(registers_per_thread=255, shared_bytes=98304,
+                                           threads_per_cta=256)
+"""Used until the caller passes the compiled kernel's values: 8 warps, 3 pipeline stages of
+a 128x64 A and a 128x64 B bf16 tile (3 * 32 KiB of shared memory) and the most registers a
+thread can have, so one CTA per SM: the grid the fused kernel has launched so far."""
+
+
+def kernel_resources_from_compiled(compiled) -> KernelResources:
+    """`KernelResources` of a compiled Triton kernel (`kernel.warmup(...)` or the handle a
+    launch returns): registers `compiled.n_regs`, shared memory `compiled.metadata.shared`,
+    threads `compiled.metadata.num_warps * 32`.
+
+    Raises:
+        ValueError: the object lacks these attributes (the kernel is not compiled yet).
+    """
+    try:
+        return KernelResources(registers_per_thread=int(compiled.n_regs),
+                               shared_bytes=int(compiled.metadata.shared),
+                               threads_per_cta=int(compiled.metadata.num_warps) * 32)
+    except AttributeError as err:
+        raise ValueError(f"{type(compiled).__name__} is not a compiled Triton kernel "
+                         f"(n_regs / metadata.shared / metadata.num_warps): {err}") from err
+
+
+@dataclass(frozen=True)
+class PlanBreakdown:
+    """The model's terms for the chosen k (times in microseconds; docs/resource_model.md)."""
+
+    remote_tiles: int
+    """T_r: tiles whose rows go to other ranks."""
+    local_tiles: int
+    """T_l: tiles whose rows stay on this rank."""
+    ctas_per_sm: int
+    """o_p: resident CTAs per SM of the kernel."""
+    tile_us: float
+    """tau: one tile's time with all G CTAs busy."""
+    remote_tile_us: float
+    """tau_r(k) = max(tau, k * b / B_link, b / B_cta)."""
+    remote_bound_us: float
+    """R(k): the k communication CTAs working off the remote queue alone."""
+    wave_bound_us: float
+    """W(k): all G CTAs sharing every tile, in whole waves."""
+    gemm_us: float
+    """E(k) = max(R(k), W(k)): end of the tiles and their peer stores."""
+    store_latency_us: float
+    finalize_us: float
+    launch_us: float
 
 
 @dataclass(frozen=True)
@@ -22,37 +127,159 @@ class Plan:
     """One launch's resource split.
 
     Attributes:
-        num_comm_ctas: the most CTAs of the fused kernel that may be in the communication
-            role (gathering and storing to peers) at once: the SM partition.
-        num_ctas: grid of the fused persistent kernel (one CTA per SM), or None when the SM
-            count is unknown (CPU / reference backend).
-        source: "override" (options.num_comm_ctas), or "fixed" (DEFAULT_NUM_COMM_CTAS).
+        num_comm_ctas: k, the communication CTAs: CTAs with pid < k claim remote-bound tiles
+            first (the SM partition that produces and ships them). 0 only with source
+            "no-remote" (no tile leaves this rank); otherwise 1..num_ctas.
+        num_ctas: G, grid of the fused persistent kernel (SMs x resident CTAs per SM), or
+            None when the SM count is unknown (CPU / reference backend).
+        source: "model" (the solver's choice), "no-remote" (nothing to ship), "override"
+            (options.num_comm_ctas), "cpu" (no SM count) or "fixed" (no hidden/ffn sizes
+            given: DEFAULT_NUM_COMM_CTAS).
+        predicted_us: the model's predicted time of the op (GEMM end + last store latency +
+            finalize + launch), or None when the model did not run.
+        breakdown: the model's terms, or None when it did not run.
     """
 
     num_comm_ctas: int
     num_ctas: Optional[int]
     source: str
+    predicted_us: Optional[float] = None
+    breakdown: Optional[PlanBreakdown] = None
+
+
+_warned_fixed = False
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an int")
+    if value < 1:
+        raise ValueError(f"{name}={value}: expected >= 1")
+    return value
 
 
 def plan_gemm2_gatherrs(
-    meta: GatherRSMetadata, options: GatherRSOptions, *, num_sms: Optional[int] = None
+    meta: GatherRSMetadata,
+    options: GatherRSOptions,
+    *,
+    num_sms: Optional[int] = None,
+    hidden: Optional[int] = None,
+    ffn: Optional[int] = None,
+    elem_bytes: int = 2,
+    recv_rows: Optional[int] = None,
+    kernel: Optional[KernelResources] = None,
+    profile: Union[None, str, HardwareProfile] = None,
+    tile: Tuple[int, int, int] = DEFAULT_TILE,
+    solver: Optional[str] = None,
 ) -> Plan:
     """Choose the SM partition of one fused GEMM2 + GatherRS launch; measures nothing.
 
     Args:
-        meta: routing metadata of the call (tokens per local expert per source rank, TP/EP).
-        options: `GatherRSOptions`; `num_comm_ctas` overrides the choice.
-        num_sms: streaming multiprocessors of the GPU, if known.
+        meta: routing metadata of the call: `rows_per_expert_per_chunk` [L, R] int64 (chunk
+            order), TP/EP sizes and ranks, `num_tokens`.
+        options: `GatherRSOptions`; `num_comm_ctas` overrides the choice of k.
+        num_sms: S, streaming multiprocessors of the GPU; None: no model (source "cpu").
+        hidden: H, columns of the output rows; ffn: F, the GEMM depth (expert FFN width per
+            TP rank). Either None: no model (source "fixed", warned once).
+        elem_bytes: bytes per element of the rows that travel (2 for bf16/fp16).
+        recv_rows: rows this rank's finalize reads (every (token, expert, TP peer) row of its
+            tokens); None: estimated as the rows this rank computes (equal on average over
+            the group). Changes the predicted time, not the choice.
+        kernel: the compiled fused kernel's resources; None: DEFAULT_KERNEL_RESOURCES.
+        profile: a `HardwareProfile`, a profile name / YAML path, or None (the
+            MEGATRON_OVERLAP_HW_PROFILE variable, else "h200").
+        tile: (BM, BN, BK) of the kernel; the profile must have a tile time for it.
+        solver: "cpp", "python" or None (C++ when built; see `resource.solver`).
+
+    Returns:
+        A `Plan`.
 
     Raises:
-        ValueError: the override exceeds the SM count.
+        ValueError: the override exceeds the SM count; a size out of range; the kernel
+            cannot be resident; remote tiles with a grid of one CTA; the profile has no
+            tile time for `tile` (each message names the value and what was expected).
+        TypeError: a size is not an int.
     """
-    del meta  # the fixed plan does not look at the routing yet
-    source = "fixed" if options.num_comm_ctas is None else "override"
-    num_comm = DEFAULT_NUM_COMM_CTAS if options.num_comm_ctas is None else options.num_comm_ctas
-    if num_sms is not None and num_comm > num_sms:
-        raise ValueError(
-            f"moe_gatherrs_num_comm_ctas={num_comm} exceeds the GPU's {num_sms} SMs; expected "
-            f"1..{num_sms}"
-        )
-    return Plan(num_comm_ctas=num_comm, num_ctas=num_sms, source=source)
+    override = options.num_comm_ctas
+    if num_sms is not None:
+        _positive_int("num_sms", num_sms)
+        if override is not None and override > num_sms:
+            raise ValueError(
+                f"moe_gatherrs_num_comm_ctas={override} exceeds the GPU's {num_sms} SMs; "
+                f"expected 1..{num_sms}")
+    if num_sms is None:
+        if override is not None:
+            return Plan(num_comm_ctas=override, num_ctas=None, source="override")
+        return Plan(num_comm_ctas=DEFAULT_NUM_COMM_CTAS, num_ctas=None, source="cpu")
+
+    impl = implementation(solver)
+    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    res = DEFAULT_KERNEL_RESOURCES if kernel is None else kernel
+    if not isinstance(res, KernelResources):
+        raise TypeError(f"kernel={kernel!r}: expected a KernelResources")
+    gpu = prof.gpu
+    o_p = impl.ctas_per_sm(
+        res.registers_per_thread, res.shared_bytes, res.threads_per_cta,
+        registers_per_sm=gpu.registers_per_sm,
+        max_registers_per_thread=gpu.max_registers_per_thread,
+        register_alloc_unit=gpu.register_alloc_unit, shared_bytes_per_sm=gpu.shared_bytes_per_sm,
+        max_shared_bytes_per_cta=gpu.max_shared_bytes_per_cta,
+        shared_reserved_bytes_per_cta=gpu.shared_reserved_bytes_per_cta,
+        max_threads_per_sm=gpu.max_threads_per_sm, max_threads_per_cta=gpu.max_threads_per_cta,
+        max_ctas_per_sm=gpu.max_ctas_per_sm)
+    grid = num_sms * o_p
+
+    if hidden is None or ffn is None:
+        global _warned_fixed
+        if not _warned_fixed:
+            _warned_fixed = True
+            warnings.warn("plan_gemm2_gatherrs without hidden= and ffn=: the resource model "
+                          f"cannot count tiles; using {DEFAULT_NUM_COMM_CTAS} communication "
+                          "CTAs", stacklevel=2)
+        k = override if override is not None else min(DEFAULT_NUM_COMM_CTAS, max(1, grid - 1))
+        return Plan(num_comm_ctas=k, num_ctas=grid,
+                    source="override" if override is not None else "fixed")
+
+    hidden, ffn = _positive_int("hidden", hidden), _positive_int("ffn", ffn)
+    elem_bytes = _positive_int("elem_bytes", elem_bytes)
+    if (not isinstance(tile, tuple) or len(tile) != 3
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile)):
+        raise ValueError(f"tile={tile!r}: expected (BM, BN, BK), three ints >= 1")
+    bm, bn, bk = tile
+    tile_time = prof.tile_time(bm, bn, bk)
+    local_chunk = meta.tp_rank * meta.ep_size + meta.ep_rank  # chunk order c = tp * EP + ep
+    remote_tiles, local_tiles, remote_rows = impl.count_tiles(
+        meta.rows_per_expert_per_chunk, local_chunk, bm, bn, hidden)
+    problem = impl.make_problem(
+        grid, remote_tiles, local_tiles, remote_rows, hidden, elem_bytes, ffn, bk,
+        tile_time.alpha_us, tile_time.beta_us, o_p, tile_time.ctas_per_sm,
+        prof.link_bandwidth_gbps, prof.cta_bandwidth_gbps)
+    if override is not None:
+        k, source = override, "override"
+        gemm_ps = impl.gemm_end_ps(k, *problem)
+    else:
+        k, gemm_ps = impl.solve(*problem)
+        source = "model" if remote_tiles else "no-remote"
+
+    if recv_rows is None:
+        recv_rows = int(meta.rows_per_expert_per_chunk.sum())
+    elif isinstance(recv_rows, bool) or not isinstance(recv_rows, int) or recv_rows < 0:
+        raise ValueError(f"recv_rows={recv_rows!r}: expected an int >= 0")
+    us = 1.0 / _model.PS_PER_US
+    finalize_us = ((recv_rows + meta.num_tokens) * hidden * elem_bytes
+                   / (prof.hbm_bandwidth_gbps * 1e3))
+    latency_us = prof.store_latency_us if remote_tiles else 0.0
+    gemm_us = gemm_ps * us
+    if remote_tiles and k >= 1:
+        terms = (_model.remote_tile_ps(k, *problem) * us, _model.remote_bound_ps(k, *problem) * us,
+                 _model.wave_bound_ps(k, *problem) * us)
+    else:
+        terms = (0.0, 0.0, gemm_us)
+    breakdown = PlanBreakdown(
+        remote_tiles=remote_tiles, local_tiles=local_tiles, ctas_per_sm=o_p,
+        tile_us=problem[3] * us, remote_tile_us=terms[0], remote_bound_us=terms[1],
+        wave_bound_us=terms[2], gemm_us=gemm_us, store_latency_us=latency_us,
+        finalize_us=finalize_us, launch_us=prof.launch_overhead_us)
+    predicted = gemm_us + latency_us + finalize_us + prof.launch_overhead_us
+    return Plan(num_comm_ctas=k, num_ctas=grid, source=source, predicted_us=predicted,
+                breakdown=breakdown)

@@ -1,0 +1,335 @@
+// Wave-quantized resource model of the fused GEMM2 + GatherRS kernel: the C++ solver.
+//
+// Same functions, arguments and integer arithmetic as the Python twin
+// (megatron_overlap/resource/model.py, which derives the model; docs/resource_model.md has
+// the prose). The twin tries every k; `solve` here finds the same k (the smallest with the
+// least predicted time E(k) = max(R(k), W(k))) in O(1) in the common case and O(log G)
+// otherwise, using that R is non-increasing and W non-decreasing in k.
+//
+// Times are int64 picoseconds. Bad input throws std::invalid_argument (pybind11 turns it
+// into ValueError). Built as megatron_overlap.resource._solver by setup.py.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int64_t kMaxTiles = int64_t(1) << 30;
+constexpr int64_t kMaxTimePs = int64_t(1) << 32;
+constexpr int64_t kMaxCtas = int64_t(1) << 16;
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+int64_t check_range(const char* name, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi) {
+    fail(std::string(name) + "=" + std::to_string(v) + ": expected an integer in [" +
+         std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  return v;
+}
+
+double check_float(const char* name, double v, double lo) {
+  if (!(std::isfinite(v) && v >= lo)) {
+    fail(std::string(name) + "=" + std::to_string(v) + ": expected a finite number >= " +
+         std::to_string(lo));
+  }
+  return v;
+}
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }  // a >= 0, b > 0
+
+int64_t round_ps(const char* name, double x) {
+  double r = std::floor(x + 0.5);
+  if (r > double(kMaxTimePs)) {
+    fail(std::string(name) + "=" + std::to_string(r) + ": expected at most " +
+         std::to_string(kMaxTimePs) + " ps");
+  }
+  return int64_t(r);
+}
+
+struct Problem {
+  int64_t g, tr, tl, tau, c_link, c_cta;
+};
+
+Problem check_problem(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
+                      int64_t c_cta) {
+  return {check_range("num_ctas", g, 1, kMaxCtas), check_range("remote_tiles", tr, 0, kMaxTiles),
+          check_range("local_tiles", tl, 0, kMaxTiles), check_range("tau_ps", tau, 1, kMaxTimePs),
+          check_range("c_link_ps", c_link, 0, kMaxTimePs),
+          check_range("c_cta_ps", c_cta, 0, kMaxTimePs)};
+}
+
+// ---- the model (see model.py for the definitions) ---------------------------------------
+
+inline int64_t remote_tile(const Problem& p, int64_t k) {
+  return std::max(std::max(p.tau, k * p.c_link), p.c_cta);
+}
+
+inline int64_t remote_bound(const Problem& p, int64_t k) {  // R(k), non-increasing
+  return std::max(cdiv(p.tr, k) * std::max(p.tau, p.c_cta), p.tr * p.c_link);
+}
+
+inline int64_t wave_bound(const Problem& p, int64_t k) {  // W(k), non-decreasing
+  const int64_t trk = remote_tile(p, k);
+  const int64_t gt = p.g * p.tau;
+  int64_t a, b, s;
+  if (!__builtin_mul_overflow(p.tl, p.tau, &a) && !__builtin_mul_overflow(p.tr, trk, &b) &&
+      !__builtin_add_overflow(a, b, &s)) {
+    return cdiv(s, gt) * p.tau;
+  }
+  // T_r * tau_r(k) can pass 2^63 when k * c_link is huge; the quotient still fits.
+  using u128 = unsigned __int128;
+  const u128 work = u128(p.tl) * u128(p.tau) + u128(p.tr) * u128(trk);
+  return int64_t((work + u128(gt) - 1) / u128(gt)) * p.tau;
+}
+
+inline int64_t gemm_end_unchecked(const Problem& p, int64_t k) {
+  return std::max(remote_bound(p, k), wave_bound(p, k));
+}
+
+// Smallest k in [1, kmax] with R(k) <= x, or 0 if none: ceil(T_r / k) * m <= x  <=>
+// ceil(T_r / k) <= q = floor(x / m)  <=>  T_r <= k * q  <=>  k >= ceil(T_r / q).
+inline int64_t smallest_k_with_remote_at_most(const Problem& p, int64_t x, int64_t kmax) {
+  if (p.tr * p.c_link > x) return 0;
+  const int64_t q = x / std::max(p.tau, p.c_cta);
+  if (q == 0) return 0;
+  const int64_t k = std::max<int64_t>(1, cdiv(p.tr, q));
+  return k <= kmax ? k : 0;
+}
+
+std::pair<int64_t, int64_t> solve_unchecked(const Problem& p) {
+  if (p.tr == 0) return {0, cdiv(p.tl, p.g) * p.tau};
+  if (p.g < 2) {
+    fail("num_ctas=" + std::to_string(p.g) + ": " + std::to_string(p.tr) +
+         " remote tiles need a grid of at least 2 CTAs (k communication CTAs, "
+         "1 <= k <= G - 1)");
+  }
+  const int64_t kmax = p.g - 1;
+  const int64_t m = std::max(p.tau, p.c_cta);
+  // W(k) is the constant W0 while k * c_link <= m, i.e. for k <= ks.
+  const int64_t ks = p.c_link == 0 ? kmax : std::min(kmax, m / p.c_link);
+  // kc: the smallest k with R(k) <= W(k) (a monotone predicate), 0 if none.
+  int64_t kc = 0;
+  if (ks >= 1) {
+    const int64_t w0 = wave_bound(p, 1);
+    const int64_t k0 = smallest_k_with_remote_at_most(p, w0, kmax);
+    if (k0 != 0 && k0 <= ks) kc = k0;
+  }
+  if (kc == 0 && ks < kmax) {  // binary search in (ks, kmax]
+    int64_t lo = std::max<int64_t>(ks, 0), hi = kmax;  // P(lo) false (or lo = 0), P(hi)?
+    if (remote_bound(p, hi) <= wave_bound(p, hi)) {
+      while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (remote_bound(p, mid) <= wave_bound(p, mid)) hi = mid; else lo = mid;
+      }
+      kc = hi;
+    }
+  }
+  if (kc == 0) {  // R > W everywhere: E = R, least at kmax, first reached at kl
+    const int64_t v = remote_bound(p, kmax);
+    return {smallest_k_with_remote_at_most(p, v, kmax), v};
+  }
+  const int64_t vw = wave_bound(p, kc);
+  if (kc == 1) return {1, vw};
+  const int64_t vr = remote_bound(p, kc - 1);
+  if (vr <= vw) return {smallest_k_with_remote_at_most(p, vr, kmax), vr};
+  return {kc, vw};
+}
+
+// ---- bound functions --------------------------------------------------------------------
+
+int64_t ctas_per_sm(int64_t regs, int64_t shared, int64_t threads, int64_t registers_per_sm,
+                    int64_t max_registers_per_thread, int64_t register_alloc_unit,
+                    int64_t shared_bytes_per_sm, int64_t max_shared_bytes_per_cta,
+                    int64_t shared_reserved_bytes_per_cta, int64_t max_threads_per_sm,
+                    int64_t max_threads_per_cta, int64_t max_ctas_per_sm) {
+  const int64_t big = int64_t(1) << 40;
+  check_range("registers_per_sm", registers_per_sm, 1, big);
+  check_range("max_registers_per_thread", max_registers_per_thread, 1, big);
+  check_range("register_alloc_unit", register_alloc_unit, 1, big);
+  check_range("shared_bytes_per_sm", shared_bytes_per_sm, 1, big);
+  check_range("max_shared_bytes_per_cta", max_shared_bytes_per_cta, 1, big);
+  check_range("max_threads_per_sm", max_threads_per_sm, 1, big);
+  check_range("max_threads_per_cta", max_threads_per_cta, 1, big);
+  check_range("max_ctas_per_sm", max_ctas_per_sm, 1, big);
+  check_range("shared_reserved_bytes_per_cta", shared_reserved_bytes_per_cta, 0, big);
+  check_range("registers_per_thread", regs, 1, max_registers_per_thread);
+  check_range("shared_bytes", shared, 0, max_shared_bytes_per_cta);
+  check_range("threads_per_cta", threads, 1, max_threads_per_cta);
+  const int64_t warps = cdiv(threads, 32);
+  const int64_t regs_per_warp = cdiv(regs * 32, register_alloc_unit) * register_alloc_unit;
+  const int64_t by_regs = (registers_per_sm / regs_per_warp) / warps;
+  const int64_t per_cta = shared + shared_reserved_bytes_per_cta;
+  const int64_t by_shared = per_cta > 0 ? shared_bytes_per_sm / per_cta : max_ctas_per_sm;
+  const int64_t by_threads = max_threads_per_sm / (warps * 32);
+  const int64_t ctas = std::min(std::min(by_regs, by_shared), std::min(by_threads,
+                                                                       max_ctas_per_sm));
+  if (ctas < 1) {
+    fail("a CTA of " + std::to_string(threads) + " threads x " + std::to_string(regs) +
+         " registers with " + std::to_string(shared) +
+         " bytes of shared memory cannot be resident on one SM: registers allow " +
+         std::to_string(by_regs) + ", shared memory " + std::to_string(by_shared) +
+         ", threads " + std::to_string(by_threads));
+  }
+  return ctas;
+}
+
+py::tuple count_tiles(py::array counts_in, int64_t local_chunk, int64_t bm, int64_t bn,
+                      int64_t hidden) {
+  const char kind = counts_in.dtype().kind();
+  if (counts_in.ndim() != 2 || counts_in.shape(1) < 1 || (kind != 'i' && kind != 'u')) {
+    fail("rows_per_expert_per_chunk must be an integer [L, R] array with R >= 1");
+  }
+  auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(counts_in);
+  const int64_t num_l = counts.shape(0), num_r = counts.shape(1);
+  check_range("local_chunk", local_chunk, 0, num_r - 1);
+  check_range("bm", bm, 1, int64_t(1) << 20);
+  check_range("bn", bn, 1, int64_t(1) << 20);
+  check_range("hidden", hidden, 1, int64_t(1) << 30);
+  auto c = counts.unchecked<2>();
+  const int64_t col_blocks = cdiv(hidden, bn);
+  int64_t remote = 0, local = 0, remote_rows = 0;
+  for (int64_t l = 0; l < num_l; ++l) {
+    for (int64_t r = 0; r < num_r; ++r) {
+      const int64_t n = c(l, r);
+      if (n < 0) fail("rows_per_expert_per_chunk has a negative count " + std::to_string(n));
+      if (n > kMaxTiles * bm) fail("rows_per_expert_per_chunk: count too large");
+      const int64_t blocks = cdiv(n, bm);
+      if (r == local_chunk) {
+        local += blocks;
+      } else {
+        remote += blocks;
+        remote_rows += n;
+      }
+      if (local + remote > kMaxTiles) break;
+    }
+  }
+  if (remote > kMaxTiles / col_blocks || local > kMaxTiles / col_blocks ||
+      (remote + local) * col_blocks > kMaxTiles) {
+    fail("more than " + std::to_string(kMaxTiles) + " tiles");
+  }
+  return py::make_tuple(remote * col_blocks, local * col_blocks, remote_rows);
+}
+
+py::tuple make_problem(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64_t hidden,
+                       int64_t elem, int64_t ffn, int64_t bk, double alpha, double beta,
+                       int64_t o_p, int64_t o_ref, double b_link, double b_cta) {
+  check_range("num_ctas", g, 1, kMaxCtas);
+  check_range("remote_tiles", tr, 0, kMaxTiles);
+  check_range("local_tiles", tl, 0, kMaxTiles);
+  check_range("remote_rows", rows, 0, kMaxTiles);
+  check_range("hidden", hidden, 1, int64_t(1) << 30);
+  check_range("elem_bytes", elem, 1, 16);
+  check_range("ffn", ffn, 1, int64_t(1) << 30);
+  check_range("bk", bk, 1, int64_t(1) << 20);
+  check_range("ctas_per_sm", o_p, 1, 1 << 10);
+  check_range("calibrated_ctas_per_sm", o_ref, 1, 1 << 10);
+  check_float("alpha_us", alpha, 0.0);
+  check_float("beta_us", beta, 0.0);
+  check_float("link_bandwidth_gbps", b_link, 1e-9);
+  check_float("cta_bandwidth_gbps", b_cta, 1e-9);
+  if ((tr == 0) != (rows == 0)) {
+    fail("remote_tiles=" + std::to_string(tr) + " and remote_rows=" + std::to_string(rows) +
+         ": both must be 0 or both > 0");
+  }
+  const int64_t ksteps = cdiv(ffn, bk);
+  // Same operations in the same order as model.py (bit-identical doubles).
+  int64_t tau = round_ps("tau_ps", (alpha + beta * double(ksteps)) * 1e6 * double(o_p) /
+                                       double(o_ref));
+  tau = std::max<int64_t>(1, tau);
+  int64_t c_link = 0, c_cta = 0;
+  if (tr) {
+    const double bytes = double(rows) * double(hidden) * double(elem);
+    c_link = round_ps("c_link_ps", bytes * 1000.0 / (double(tr) * b_link));
+    c_cta = round_ps("c_cta_ps", bytes * 1000.0 / (double(tr) * b_cta));
+  }
+  return py::make_tuple(g, tr, tl, tau, c_link, c_cta);
+}
+
+int64_t gemm_end(int64_t k, int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
+                 int64_t c_cta) {
+  const Problem p = check_problem(g, tr, tl, tau, c_link, c_cta);
+  if (p.tr == 0) {
+    check_range("k", k, 0, p.g);
+    return cdiv(p.tl, p.g) * p.tau;
+  }
+  check_range("k", k, 1, p.g);
+  return gemm_end_unchecked(p, k);
+}
+
+py::tuple solve(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
+                int64_t c_cta) {
+  const auto r = solve_unchecked(check_problem(g, tr, tl, tau, c_link, c_cta));
+  return py::make_tuple(r.first, r.second);
+}
+
+py::array_t<int64_t> solve_batch(py::array_t<int64_t, py::array::c_style | py::array::forcecast>
+                                     problems) {
+  if (problems.ndim() != 2 || problems.shape(1) != 6) {
+    fail("problems must be [n, 6] (G, T_r, T_l, tau, c_link, c_cta)");
+  }
+  const int64_t n = problems.shape(0);
+  py::array_t<int64_t> out({n, int64_t(2)});
+  auto in = problems.unchecked<2>();
+  auto o = out.mutable_unchecked<2>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto r = solve_unchecked(
+        check_problem(in(i, 0), in(i, 1), in(i, 2), in(i, 3), in(i, 4), in(i, 5)));
+    o(i, 0) = r.first;
+    o(i, 1) = r.second;
+  }
+  return out;
+}
+
+// Nanoseconds per `solve` (input checks included) over `iters` calls in a C++ loop; the
+// local tile count varies with the iteration so that no call can be hoisted.
+double bench_solve(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
+                   int64_t c_cta, int64_t iters) {
+  check_range("iters", iters, 1, int64_t(1) << 40);
+  check_problem(g, tr, tl + 7, tau, c_link, c_cta);
+  volatile int64_t sink = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    const auto r = solve_unchecked(check_problem(g, tr, tl + (i & 7), tau, c_link, c_cta));
+    sink = sink + r.first;
+  }
+  const auto end = std::chrono::steady_clock::now();
+  (void)sink;
+  return std::chrono::duration<double, std::nano>(end - start).count() / double(iters);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_solver, m) {
+  m.doc() = "C++ solver of the wave-quantized resource model (see resource/model.py)";
+  m.def("ctas_per_sm", &ctas_per_sm, py::arg("registers_per_thread"), py::arg("shared_bytes"),
+        py::arg("threads_per_cta"), py::kw_only(), py::arg("registers_per_sm"),
+        py::arg("max_registers_per_thread"), py::arg("register_alloc_unit"),
+        py::arg("shared_bytes_per_sm"), py::arg("max_shared_bytes_per_cta"),
+        py::arg("shared_reserved_bytes_per_cta"), py::arg("max_threads_per_sm"),
+        py::arg("max_threads_per_cta"), py::arg("max_ctas_per_sm"));
+  m.def("count_tiles", &count_tiles, py::arg("rows_per_expert_per_chunk"),
+        py::arg("local_chunk"), py::arg("bm"), py::arg("bn"), py::arg("hidden"));
+  m.def("make_problem", &make_problem, py::arg("num_ctas"), py::arg("remote_tiles"),
+        py::arg("local_tiles"), py::arg("remote_rows"), py::arg("hidden"),
+        py::arg("elem_bytes"), py::arg("ffn"), py::arg("bk"), py::arg("alpha_us"),
+        py::arg("beta_us"), py::arg("ctas_per_sm"), py::arg("calibrated_ctas_per_sm"),
+        py::arg("link_bandwidth_gbps"), py::arg("cta_bandwidth_gbps"));
+  m.def("gemm_end_ps", &gemm_end, py::arg("k"), py::arg("g"), py::arg("tr"), py::arg("tl"),
+        py::arg("tau"), py::arg("c_link"), py::arg("c_cta"));
+  m.def("solve", &solve, py::arg("g"), py::arg("tr"), py::arg("tl"), py::arg("tau"),
+        py::arg("c_link"), py::arg("c_cta"));
+  m.def("solve_batch", &solve_batch, py::arg("problems"));
+  m.def("bench_solve", &bench_solve, py::arg("g"), py::arg("tr"), py::arg("tl"),
+        py::arg("tau"), py::arg("c_link"), py::arg("c_cta"), py::arg("iters"));
+}

@@ -1,0 +1,316 @@
+"""Measure the resource manager's hardware profile once on a GPU machine; write its YAML.
+
+    source scripts/device_setup.sh && torchrun --standalone --nproc_per_node 2 \
+        launch/calibrate.py --name h200 --out $OUT/h200.yaml
+    python3 launch/calibrate.py --dry-run --out /tmp/h200.yaml     # CPU: no measurement
+
+What it measures (CUDA events, median of --iters runs after --warmup; rank 0's values are
+written, every rank measures alike at the same time, as in the fused op):
+  tile time  the fused kernel's GEMM2 tiles alone (`_Call.gemm_only` on the plan's grid G,
+             world-1 metadata, H = --hidden, 8 experts, top-2, --tokens tokens, uniform
+             routing) for every F in --ffn: tau(F) = time / ceil(tiles / G); then a least-
+             squares fit tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0);
+  peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
+             --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
+             largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
+  HBM        a --copy-mib MiB device copy: (read + written bytes) / time;
+  launches   two launches of an empty kernel (launch_overhead_us); one CTA storing one
+             32 KiB tile to the peer, less one empty launch (store_latency_us).
+The GPU limits (SMs, registers, shared memory, threads) come from the device properties
+where torch reports them, else from the --base profile. With one rank the link values are
+copied from --base (said in the output). --dry-run measures nothing: it feeds the fits with
+values generated from --base's own model, so that the fitting and writing path runs on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # bench_op (timing helpers)
+if os.path.dirname(_HERE) not in sys.path:
+    sys.path.insert(0, os.path.dirname(_HERE))  # run from a checkout without `pip install`
+
+from megatron_overlap.resource import DEFAULT_TILE  # noqa: E402
+from megatron_overlap.resource.profile import (  # noqa: E402
+    GpuLimits,
+    HardwareProfile,
+    TileTime,
+    load_profile,
+    save_profile,
+)
+
+DEFAULT_FFN = (384, 704, 768, 1408, 3200, 6400, 7168, 14336)
+"""The F (per TP rank) of the oracle suite's shapes (EP=2 and TP=2): each is one kernel
+compilation, so --ffn with fewer values shortens a run."""
+DEFAULT_CTAS = (1, 2, 4, 8, 16, 32, 64, 0)  # 0: the whole grid (one CTA per SM)
+
+
+def fit_tile_time(ksteps: Sequence[int], tau_us: Sequence[float]) -> Tuple[float, float]:
+    """Least-squares (alpha_us, beta_us) of tau = alpha + beta * ksteps, both >= 0.
+
+    Raises:
+        ValueError: fewer than two distinct K-step counts, or a non-positive time.
+    """
+    x, y = np.asarray(ksteps, dtype=float), np.asarray(tau_us, dtype=float)
+    if len(set(x.tolist())) < 2 or len(x) != len(y):
+        raise ValueError(f"need >= 2 distinct K-step counts with one time each, got {ksteps}")
+    if (y <= 0).any():
+        raise ValueError(f"tile times must be > 0 us, got {tau_us}")
+    beta, alpha = np.polyfit(x, y, 1)
+    if beta < 0:  # flat: a constant tile time
+        return float(y.mean()), 0.0
+    if alpha < 0:  # through the origin
+        return 0.0, float((x * y).sum() / (x * x).sum())
+    return float(alpha), float(beta)
+
+
+def fit_link(ctas: Sequence[int], gbps: Sequence[float]) -> Tuple[float, float]:
+    """(B_link, B_cta) from a peer-store sweep: the best bandwidth, and the best bandwidth per
+    CTA among k <= 4 (the smallest k when none is).
+
+    Raises:
+        ValueError: empty sweep or a non-positive bandwidth.
+    """
+    if not ctas or len(ctas) != len(gbps) or min(gbps) <= 0 or min(ctas) < 1:
+        raise ValueError(f"bad peer-store sweep: ctas {ctas}, GB/s {gbps}")
+    small = [(k, b) for k, b in zip(ctas, gbps) if k <= 4] or [min(zip(ctas, gbps))]
+    return float(max(gbps)), float(max(b / k for k, b in small))
+
+
+def gpu_limits(base: GpuLimits, props=None) -> GpuLimits:
+    """`base` with the values the device properties report (torch names vary by version)."""
+    if props is None:
+        return base
+    names = {
+        "num_sms": "multi_processor_count",
+        "registers_per_sm": "regs_per_multiprocessor",
+        "shared_bytes_per_sm": "shared_memory_per_multiprocessor",
+        "max_shared_bytes_per_cta": "shared_memory_per_block_optin",
+        "max_threads_per_sm": "max_threads_per_multi_processor",
+    }
+    found = {ours: int(getattr(props, theirs)) for ours, theirs in names.items()
+             if isinstance(getattr(props, theirs, None), int) and getattr(props, theirs) > 0}
+    return dataclasses.replace(base, **found)
+
+
+def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: List[dict],
+                  store_rows: List[dict], hbm_gbps: float, launch_us: float,
+                  latency_us: float, source: str, link_from_base: bool) -> HardwareProfile:
+    """The profile from the measured rows (`tile_rows`: ksteps, tau_us, ctas_per_sm;
+    `store_rows`: ctas, gbps)."""
+    bm, bn, bk = DEFAULT_TILE
+    alpha, beta = fit_tile_time([r["ksteps"] for r in tile_rows], [r["tau_us"] for r in tile_rows])
+    if link_from_base:
+        b_link, b_cta = base.link_bandwidth_gbps, base.cta_bandwidth_gbps
+    else:
+        b_link, b_cta = fit_link([r["ctas"] for r in store_rows], [r["gbps"] for r in store_rows])
+    return HardwareProfile(
+        name=name, gpu=gpu,
+        tile_times=(TileTime(bm=bm, bn=bn, bk=bk, ctas_per_sm=tile_rows[0]["ctas_per_sm"],
+                             alpha_us=round(alpha, 4), beta_us=round(beta, 5)),),
+        link_bandwidth_gbps=round(b_link, 2), cta_bandwidth_gbps=round(b_cta, 3),
+        store_latency_us=round(max(0.0, latency_us), 3), hbm_bandwidth_gbps=round(hbm_gbps, 1),
+        launch_overhead_us=round(max(0.0, launch_us), 3), provisional=False, source=source,
+        extra={"tile_sweep": tile_rows, "peer_store_sweep": store_rows,
+               "link_values_copied_from_base": link_from_base})
+
+
+def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int):
+    """--dry-run: the rows a GPU run would produce if the base profile were exact."""
+    t = base.tile_time(*DEFAULT_TILE)
+    tile_rows = []
+    for f in ffns:
+        ksteps = -(-f // DEFAULT_TILE[2])
+        tile_rows.append(dict(ffn=f, ksteps=ksteps, ctas_per_sm=t.ctas_per_sm,
+                              tau_us=t.alpha_us + t.beta_us * ksteps))
+    store_rows = [dict(ctas=k or num_sms, gbps=min((k or num_sms) * base.cta_bandwidth_gbps,
+                                                   base.link_bandwidth_gbps)) for k in ctas]
+    return tile_rows, store_rows
+
+
+# ---- GPU measurements ------------------------------------------------------------------
+
+def measure_tiles(args, device, timed) -> List[dict]:
+    import torch
+
+    from megatron_overlap.bench.workloads import rank_rows, routing_maps
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+    from megatron_overlap.symm import get_workspace
+
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    maps = routing_maps([args.tokens], 8, 2, "uniform", seed=args.seed)
+    meta = rank_rows(maps, tp=1, ep=1, rank=0, topk=2).meta.to(device)
+    n = int(meta.tokens_per_local_expert.sum())
+    ws = get_workspace(None, hidden=args.hidden, dtype=torch.bfloat16, device=device)
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    for f in args.ffn:
+        h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
+        w2 = (torch.randn(8, args.hidden, f, generator=gen, device=device) / f**0.5).to(
+            torch.bfloat16)
+        plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"), num_sms=num_sms,
+                                   hidden=args.hidden, ffn=f)
+        call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype, device=device,
+                     timeout_s=30.0)
+        call.run(h, w2)  # world 1: every tile local; gemm_only needs a call that was run
+        t = timed(lambda call=call, g=plan.num_ctas: call.gemm_only(g), args.warmup, args.iters)
+        tiles = plan.breakdown.local_tiles
+        waves = -(-tiles // plan.num_ctas)
+        rows.append(dict(ffn=f, ksteps=-(-f // DEFAULT_TILE[2]), tiles=tiles,
+                         grid=plan.num_ctas, waves=waves, ctas_per_sm=plan.breakdown.ctas_per_sm,
+                         ms=t["p50"], tau_us=t["p50"] * 1e3 / waves))
+        del h, w2, call
+        torch.cuda.empty_cache()
+    return rows
+
+
+def measure_link(args, device, timed, num_sms: int):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from megatron_overlap.kernels.peer_store import peer_store
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    numel = args.store_mib * (1 << 20) // 2
+    buf = symm_mem.empty(numel, dtype=torch.bfloat16, device=device)
+    name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # as megatron_overlap.symm does
+        symm_mem.enable_symm_mem_for_group(name)
+    handle = symm_mem.rendezvous(buf, name)
+    peer = handle.get_buffer((rank + 1) % world, (numel,), torch.bfloat16)
+    src = torch.randn(numel, device=device).to(torch.bfloat16)
+    rows = []
+    for k in args.ctas:
+        k = k or num_sms
+        t = timed(lambda k=k: peer_store(src, peer, num_ctas=k), args.warmup, args.iters)
+        rows.append(dict(ctas=k, ms=t["p50"], gbps=numel * 2 / (t["p50"] * 1e-3) / 1e9))
+    tile = 128 * 128  # one bf16 128 x 128 tile
+    empty = src[:0]
+    one_launch = timed(lambda: peer_store(empty, peer[:0], num_ctas=1), args.warmup,
+                       args.iters)["p50"]
+    one_tile = timed(lambda: peer_store(src[:tile], peer[:tile], num_ctas=1), args.warmup,
+                     args.iters)["p50"]
+    dist.barrier()
+    return rows, (one_tile - one_launch) * 1e3
+
+
+def measure_local(args, device, timed) -> Tuple[float, float]:
+    """(HBM copy GB/s, two empty launches in us)."""
+    import torch
+
+    from megatron_overlap.kernels.peer_store import peer_store
+
+    numel = args.copy_mib * (1 << 20) // 2
+    a = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    t = timed(lambda: b.copy_(a), args.warmup, args.iters)["p50"]
+    empty = a[:0]
+    launch = timed(lambda: (peer_store(empty, b[:0], num_ctas=1),
+                            peer_store(empty, b[:0], num_ctas=1)), args.warmup,
+                   args.iters)["p50"]
+    return 2 * numel * 2 / (t * 1e-3) / 1e9, launch * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--name", default="h200", help="profile name written into the YAML")
+    parser.add_argument("--out", required=True, help="YAML file to write")
+    parser.add_argument("--base", default="h200",
+                        help="profile (name or YAML) for limits torch does not report, and the "
+                             "link values with one rank / in --dry-run")
+    parser.add_argument("--ffn", nargs="+", type=int, default=list(DEFAULT_FFN))
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--ctas", nargs="+", type=int, default=list(DEFAULT_CTAS),
+                        help="peer-store CTA counts (0 = one per SM)")
+    parser.add_argument("--store-mib", type=int, default=256)
+    parser.add_argument("--copy-mib", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU: fit and write from values generated by --base's model")
+    args = parser.parse_args(argv)
+    base = load_profile(args.base)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    if args.dry_run:
+        num_sms = base.gpu.num_sms
+        tile_rows, store_rows = synthetic_measurements(base, args.ffn, args.ctas, num_sms)
+        profile = build_profile(
+            args.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
+            base.launch_overhead_us, base.store_latency_us,
+            source=f"launch/calibrate.py --dry-run {stamp}: generated from {base.name}, "
+                   "nothing measured", link_from_base=False)
+        profile = dataclasses.replace(profile, provisional=True)
+        save_profile(profile, args.out, header="DRY RUN: values generated from the base "
+                                               "profile's model, not measured")
+        print(f"dry run: wrote {args.out}")
+        _print(profile)
+        return 0
+
+    import torch
+    import torch.distributed as dist
+
+    import bench_op  # launch/bench_op.py: timed(), git_sha()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    props = torch.cuda.get_device_properties(device)
+    gpu = gpu_limits(base.gpu, props)
+    tile_rows = measure_tiles(args, device, bench_op.timed)
+    hbm_gbps, launch_us = measure_local(args, device, bench_op.timed)
+    world = dist.get_world_size()
+    if world > 1:
+        store_rows, latency_us = measure_link(args, device, bench_op.timed, gpu.num_sms)
+    else:
+        store_rows, latency_us = [], base.store_latency_us
+    if dist.get_rank() == 0:
+        source = (f"launch/calibrate.py on {world}x {torch.cuda.get_device_name(device)}, "
+                  f"{stamp}, git {bench_op.git_sha()[:12]}, torch {torch.__version__}")
+        profile = build_profile(args.name, base, gpu, tile_rows, store_rows, hbm_gbps,
+                                launch_us, latency_us, source, link_from_base=world == 1)
+        header = (f"Calibrated: {source}.\n"
+                  + ("Link values copied from the base profile (one rank).\n" if world == 1
+                     else "")
+                  + "Re-run launch/calibrate.py after kernel changes (the tile time is the "
+                    "fused kernel's).")
+        save_profile(profile, args.out, header=header)
+        print(f"wrote {args.out}")
+        _print(profile)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _print(p: HardwareProfile) -> None:
+    t = p.tile_times[0]
+    print(f"tile {t.bm}x{t.bn}x{t.bk}: tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) "
+          f"us at {t.ctas_per_sm} CTA/SM | B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
+          f"{p.cta_bandwidth_gbps:.2f} GB/s | HBM {p.hbm_bandwidth_gbps:.0f} GB/s | launch "
+          f"{p.launch_overhead_us:.1f} us | store latency {p.store_latency_us:.2f} us")
+    extra: Dict = p.extra
+    for r in extra.get("tile_sweep", []):
+        print(f"  F={r['ffn']:>6} ksteps={r['ksteps']:>4} tau={r['tau_us']:.2f} us"
+              + (f" (fit {t.alpha_us + t.beta_us * r['ksteps']:.2f})" if not math.isnan(
+                  r["tau_us"]) else ""))
+    for r in extra.get("peer_store_sweep", []):
+        print(f"  peer stores, {r['ctas']:>4} CTAs: {r['gbps']:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""The wave-quantized resource model, in plain Python: the readable twin of `csrc/solver.cpp`.
+
+Both implement the same functions with the same arguments and the same integer arithmetic,
+so they return the same plan (tests/cpu/test_resource_solver.py checks it on random inputs);
+`megatron_overlap.resource.solver` picks the C++ one when it is built. docs/resource_model.md
+derives the model; in short:
+
+Shape symbols: G CTAs in the grid (S SMs x o_p CTAs per SM), T_r remote-bound and T_l local
+GEMM2 tiles (BM x BN outputs of depth F), k communication CTAs (the CTAs with pid < k claim
+remote tiles first, the others local tiles first; both steal from the other queue once
+theirs is empty).
+
+Times are integer picoseconds (`_ps`), so that Python and C++ compute bit-identical values:
+    tau       one tile's time while all G CTAs are busy: tau(F) = alpha + beta * ceil(F / BK)
+              from the hardware profile (scaled by o_p / o_ref when the kernel's occupancy
+              differs from the calibrated one: an SM's tile throughput is fixed)
+    c_link    one remote tile's bytes b at the link bandwidth: b / B_link
+    c_cta     the same at one CTA's store bandwidth: b / B_cta
+    tau_r(k)  = max(tau, k * c_link, c_cta): a remote tile's time with k CTAs storing to
+              peers at once (the link back-pressures them)
+    R(k)      = max(ceil(T_r / k) * max(tau, c_cta), T_r * c_link): the communication CTAs
+              alone work off the remote queue, in waves of k, no faster than the link
+              (non-increasing in k)
+    W(k)      = ceil((T_l * tau + T_r * tau_r(k)) / (G * tau)) * tau: all G CTAs share the
+              tiles (whichever queue empties first, its CTAs steal from the other), in whole
+              waves of tau; remote tiles count tau_r(k) each (non-decreasing in k)
+    E(k)      = max(R(k), W(k)): predicted end of the GEMM2 tiles (and their peer stores)
+The plan's k is the smallest k in 1..G-1 with the least E(k); with no remote tile k = 0 and
+E = ceil(T_l / G) * tau. Add the last store's latency, the finalize (HBM bytes / B_hbm) and
+the launch overhead for the predicted time of the op.
+
+Errors: bad input raises `ValueError` (a value out of range, infeasible resources) or
+`TypeError` (not an integer), naming the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import numpy as np
+
+PS_PER_US = 1_000_000
+"""Picoseconds per microsecond: the model's integer time unit is the picosecond."""
+
+MAX_TILES = 1 << 30
+"""Largest tile count accepted (with MAX_TIME_PS and MAX_CTAS every product the model
+forms fits in int64, except T_r * tau_r(k), which the C++ solver widens to 128 bits)."""
+MAX_TIME_PS = 1 << 32
+"""Largest per-tile time accepted for tau, c_link and c_cta: 2^32 ps, about 4.3 ms."""
+MAX_CTAS = 1 << 16
+"""Largest grid accepted."""
+
+
+def _int(name: str, value, minimum: int, maximum: int = 1 << 62) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r}: expected an integer")
+    value = int(value)
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name}={value}: expected an integer in [{minimum}, {maximum}]")
+    return value
+
+
+def _float(name: str, value, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}={value!r}: expected a number")
+    value = float(value)
+    if not (math.isfinite(value) and value >= minimum):
+        raise ValueError(f"{name}={value}: expected a finite number >= {minimum}")
+    return value
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _ps(x: float) -> int:
+    """Round a non-negative time in picoseconds to the nearest integer (halves up)."""
+    return math.floor(x + 0.5)
+
+
+# ---- occupancy -----------------------------------------------------------------------------
+
+def ctas_per_sm(registers_per_thread: int, shared_bytes: int, threads_per_cta: int, *,
+                registers_per_sm: int, max_registers_per_thread: int, register_alloc_unit: int,
+                shared_bytes_per_sm: int, max_shared_bytes_per_cta: int,
+                shared_reserved_bytes_per_cta: int, max_threads_per_sm: int,
+                max_threads_per_cta: int, max_ctas_per_sm: int) -> int:
+    """Resident CTAs per SM of a kernel (o_p), by CUDA's occupancy rules.
+
+    Registers are allocated per warp, rounded up to `register_alloc_unit`; each resident CTA
+    also takes `shared_reserved_bytes_per_cta` of shared memory. The result is the least of
+    the register, shared-memory, thread and CTA limits.
+
+    Args:
+        registers_per_thread: the compiled kernel's registers per thread (Triton: n_regs).
+        shared_bytes: its dynamic + static shared memory per CTA in bytes (Triton:
+            metadata.shared).
+        threads_per_cta: threads per CTA (Triton: num_warps * 32).
+        the rest: the GPU's limits (`GpuLimits` fields).
+
+    Returns:
+        int >= 1.
+
+    Raises:
+        ValueError: a value out of range, or a CTA of this kernel cannot be resident at all
+            (too many registers, shared memory or threads; the message says which).
+    """
+    lim = dict(registers_per_sm=registers_per_sm, max_registers_per_thread=max_registers_per_thread,
+               register_alloc_unit=register_alloc_unit, shared_bytes_per_sm=shared_bytes_per_sm,
+               max_shared_bytes_per_cta=max_shared_bytes_per_cta,
+               max_threads_per_sm=max_threads_per_sm, max_threads_per_cta=max_threads_per_cta,
+               max_ctas_per_sm=max_ctas_per_sm)
+    for key, value in lim.items():
+        _int(key, value, 1, 1 << 40)
+    reserved = _int("shared_reserved_bytes_per_cta", shared_reserved_bytes_per_cta, 0, 1 << 40)
+    regs = _int("registers_per_thread", registers_per_thread, 1, max_registers_per_thread)
+    shared = _int("shared_bytes", shared_bytes, 0, max_shared_bytes_per_cta)
+    threads = _int("threads_per_cta", threads_per_cta, 1, max_threads_per_cta)
+    warps = _cdiv(threads, 32)
+    regs_per_warp = _cdiv(regs * 32, register_alloc_unit) * register_alloc_unit
+    by_regs = (registers_per_sm // regs_per_warp) // warps
+    by_shared = shared_bytes_per_sm // (shared + reserved) if shared + reserved > 0 else (
+        max_ctas_per_sm)
+    by_threads = max_threads_per_sm // (warps * 32)
+    ctas = min(by_regs, by_shared, by_threads, max_ctas_per_sm)
+    if ctas < 1:
+        raise ValueError(
+            f"a CTA of {threads} threads x {regs} registers with {shared} bytes of shared "
+            f"memory cannot be resident on one SM ({registers_per_sm} registers, "
+            f"{shared_bytes_per_sm} bytes of shared memory incl. {reserved} reserved per CTA, "
+            f"{max_threads_per_sm} threads): registers allow {by_regs}, shared memory "
+            f"{by_shared}, threads {by_threads}")
+    return ctas
+
+
+# ---- tiles ---------------------------------------------------------------------------------
+
+def count_tiles(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int,
+                hidden: int) -> Tuple[int, int, int]:
+    """GEMM2 tiles of one call, split by destination.
+
+    Args:
+        rows_per_expert_per_chunk: int64 [L, R]: rows of local expert l from source chunk c
+            (`GatherRSMetadata.rows_per_expert_per_chunk`).
+        local_chunk: the chunk whose rows stay on this rank (c with
+            chunk_to_group_rank(c) == this rank's group rank), in [0, R).
+        bm, bn: tile rows and hidden columns; hidden: H.
+
+    Returns:
+        (T_r, T_l, remote_rows): tiles of remote-bound rows, tiles of local rows (each
+        (expert, chunk) block is ceil(rows / bm) * ceil(H / bn) tiles), rows bound remote.
+
+    Raises:
+        ValueError: not a 2-D array, a negative count, local_chunk out of range, bm/bn/hidden
+            < 1.
+    """
+    counts = np.asarray(rows_per_expert_per_chunk)
+    if counts.ndim != 2 or counts.shape[1] < 1 or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"rows_per_expert_per_chunk must be an integer [L, R] array with R >= 1, "
+                         f"got shape {counts.shape} dtype {counts.dtype}")
+    if counts.size and int(counts.min()) < 0:
+        raise ValueError(f"rows_per_expert_per_chunk has a negative count {int(counts.min())}")
+    _int("local_chunk", local_chunk, 0, counts.shape[1] - 1)
+    bm, bn = _int("bm", bm, 1, 1 << 20), _int("bn", bn, 1, 1 << 20)
+    hidden = _int("hidden", hidden, 1, 1 << 30)
+    row_blocks = -(-counts.astype(np.int64) // bm)
+    col_blocks = _cdiv(hidden, bn)
+    per_chunk = row_blocks.sum(axis=0) * col_blocks
+    local = int(per_chunk[local_chunk])
+    remote = int(per_chunk.sum()) - local
+    remote_rows = int(counts.sum()) - int(counts[:, local_chunk].sum())
+    if remote + local > MAX_TILES:
+        raise ValueError(f"{remote + local} tiles: expected at most {MAX_TILES}")
+    return remote, local, remote_rows
+
+
+# ---- the problem and its solution ----------------------------------------------------------
+
+def make_problem(num_ctas: int, remote_tiles: int, local_tiles: int, remote_rows: int,
+                 hidden: int, elem_bytes: int, ffn: int, bk: int, alpha_us: float,
+                 beta_us: float, ctas_per_sm: int, calibrated_ctas_per_sm: int,
+                 link_bandwidth_gbps: float, cta_bandwidth_gbps: float) -> Tuple[int, ...]:
+    """The solver's integer problem (G, T_r, T_l, tau_ps, c_link_ps, c_cta_ps).
+
+    tau = (alpha_us + beta_us * ceil(ffn / bk)) * o_p / o_ref; b = remote_rows * hidden *
+    elem_bytes / T_r bytes (the average remote tile); c_link = b / B_link, c_cta = b / B_cta
+    (GB/s = 1e3 bytes per microsecond). Every time is rounded once to whole picoseconds.
+
+    Raises:
+        ValueError / TypeError: a value out of range (names it).
+    """
+    g = _int("num_ctas", num_ctas, 1, MAX_CTAS)
+    tr = _int("remote_tiles", remote_tiles, 0, MAX_TILES)
+    tl = _int("local_tiles", local_tiles, 0, MAX_TILES)
+    rows = _int("remote_rows", remote_rows, 0, MAX_TILES)
+    hidden = _int("hidden", hidden, 1, 1 << 30)
+    elem = _int("elem_bytes", elem_bytes, 1, 16)
+    ffn = _int("ffn", ffn, 1, 1 << 30)
+    bk = _int("bk", bk, 1, 1 << 20)
+    o_p = _int("ctas_per_sm", ctas_per_sm, 1, 1 << 10)
+    o_ref = _int("calibrated_ctas_per_sm", calibrated_ctas_per_sm, 1, 1 << 10)
+    alpha, beta = _float("alpha_us", alpha_us), _float("beta_us", beta_us)
+    b_link = _float("link_bandwidth_gbps", link_bandwidth_gbps, 1e-9)
+    b_cta = _float("cta_bandwidth_gbps", cta_bandwidth_gbps, 1e-9)
+    if (tr == 0) != (rows == 0):
+        raise ValueError(f"remote_tiles={tr} and remote_rows={rows}: both must be 0 or both > 0")
+    ksteps = _cdiv(ffn, bk)
+    tau = max(1, _ps((alpha + beta * float(ksteps)) * 1e6 * float(o_p) / float(o_ref)))
+    c_link = c_cta = 0
+    if tr:
+        # float arithmetic in this exact order in both implementations (bit-identical)
+        remote_bytes = float(rows) * float(hidden) * float(elem)
+        c_link = _ps(remote_bytes * 1000.0 / (float(tr) * b_link))
+        c_cta = _ps(remote_bytes * 1000.0 / (float(tr) * b_cta))
+    for name, value in (("tau_ps", tau), ("c_link_ps", c_link), ("c_cta_ps", c_cta)):
+        if value > MAX_TIME_PS:
+            raise ValueError(f"{name}={value}: expected at most {MAX_TIME_PS} ps")
+    return g, tr, tl, tau, c_link, c_cta
+
+
+def _check_problem(g, tr, tl, tau, c_link, c_cta) -> Tuple[int, ...]:
+    return (_int("num_ctas", g, 1, MAX_CTAS), _int("remote_tiles", tr, 0, MAX_TILES),
+            _int("local_tiles", tl, 0, MAX_TILES), _int("tau_ps", tau, 1, MAX_TIME_PS),
+            _int("c_link_ps", c_link, 0, MAX_TIME_PS), _int("c_cta_ps", c_cta, 0, MAX_TIME_PS))
+
+
+def remote_tile_ps(k: int, g, tr, tl, tau, c_link, c_cta) -> int:
+    """tau_r(k) = max(tau, k * c_link, c_cta)."""
+    return max(tau, k * c_link, c_cta)
+
+
+def remote_bound_ps(k: int, g, tr, tl, tau, c_link, c_cta) -> int:
+    """R(k) = max(ceil(T_r / k) * max(tau, c_cta), T_r * c_link) (k >= 1)."""
+    return max(_cdiv(tr, k) * max(tau, c_cta), tr * c_link)
+
+
+def wave_bound_ps(k: int, g, tr, tl, tau, c_link, c_cta) -> int:
+    """W(k) = ceil((T_l * tau + T_r * tau_r(k)) / (G * tau)) * tau."""
+    work = tl * tau + tr * remote_tile_ps(k, g, tr, tl, tau, c_link, c_cta)
+    return _cdiv(work, g * tau) * tau
+
+
+def gemm_end_ps(k: int, g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int) -> int:
+    """E(k): predicted end of the GEMM2 tiles with k communication CTAs, in ps.
+
+    k may be 0 only without remote tiles (then E = ceil(T_l / G) * tau); otherwise 1..G.
+
+    Raises:
+        ValueError: k out of range, or a bad problem.
+    """
+    g, tr, tl, tau, c_link, c_cta = _check_problem(g, tr, tl, tau, c_link, c_cta)
+    if tr == 0:
+        _int("k", k, 0, g)
+        return _cdiv(tl, g) * tau
+    _int("k", k, 1, g)
+    return _end(k, (g, tr, tl, tau, c_link, c_cta))
+
+
+def _end(k: int, p: Tuple[int, ...]) -> int:
+    return max(remote_bound_ps(k, *p), wave_bound_ps(k, *p))
+
+
+def solve(g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int) -> Tuple[int, int]:
+    """The plan's k and its E(k) in ps: every k in 1..G-1 tried, least E, ties to the
+    smallest k; k = 0 without remote tiles.
+
+    Raises:
+        ValueError: remote tiles with fewer than 2 CTAs in the grid (no k leaves a CTA for
+            the local queue), or a bad problem.
+    """
+    g, tr, tl, tau, c_link, c_cta = _check_problem(g, tr, tl, tau, c_link, c_cta)
+    if tr == 0:
+        return 0, _cdiv(tl, g) * tau
+    if g < 2:
+        raise ValueError(f"num_ctas={g}: {tr} remote tiles need a grid of at least 2 CTAs "
+                         "(k communication CTAs, 1 <= k <= G - 1)")
+    best_k, best = 1, None
+    p = (g, tr, tl, tau, c_link, c_cta)
+    for k in range(1, g):
+        e = _end(k, p)
+        if best is None or e < best:
+            best_k, best = k, e
+    return best_k, best
+
+
+def solve_batch(problems) -> np.ndarray:
+    """`solve` on every row of an int64 [n, 6] array of problems; returns int64 [n, 2]."""
+    arr = np.asarray(problems)
+    if arr.ndim != 2 or arr.shape[1] != 6:
+        raise ValueError(f"problems must be [n, 6] (G, T_r, T_l, tau, c_link, c_cta), got "
+                         f"shape {arr.shape}")
+    out = np.empty((arr.shape[0], 2), dtype=np.int64)
+    for i, row in enumerate(arr.tolist()):
+        out[i] = solve(*row)
+    return out

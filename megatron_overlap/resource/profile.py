@@ -1,0 +1,263 @@
+"""Hardware profiles of the resource manager: `configs/hardware/<name>.yaml`.
+
+A profile holds what the wave-quantized model (`megatron_overlap.resource.model`) needs and
+nothing measured per workload: the GPU's residency limits (for the occupancy of the compiled
+kernel), the tile time model tau(F) per tile shape, the peer-store bandwidths, the HBM
+bandwidth of the finalize and two latency constants. `launch/calibrate.py` measures one on a
+GPU machine and writes it with `save_profile`.
+
+Units live in the key names: `_us` microseconds, `_gbps` GB/s (1e9 bytes per second),
+`_bytes` bytes.
+
+Errors: every bad file or value raises `ValueError` naming the key, the value and what was
+expected.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Tuple, Union
+
+import yaml
+
+HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+"""Directory of the shipped hardware profiles (``<repo>/configs/hardware``)."""
+
+DEFAULT_PROFILE = "h200"
+"""Profile used when the caller names none and ``MEGATRON_OVERLAP_HW_PROFILE`` is unset."""
+
+PROFILE_ENV = "MEGATRON_OVERLAP_HW_PROFILE"
+"""Environment variable naming the default profile (a name in HARDWARE_DIR or a YAML path)."""
+
+_GPU_KEYS = ("num_sms", "registers_per_sm", "max_registers_per_thread", "register_alloc_unit",
+             "shared_bytes_per_sm", "max_shared_bytes_per_cta", "shared_reserved_bytes_per_cta",
+             "max_threads_per_sm", "max_threads_per_cta", "max_ctas_per_sm")
+_POSITIVE_FLOATS = ("link_bandwidth_gbps", "cta_bandwidth_gbps", "hbm_bandwidth_gbps")
+_NONNEGATIVE_FLOATS = ("store_latency_us", "launch_overhead_us")
+
+
+def _check_int(key: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}={value!r}: expected an integer >= {minimum}")
+
+
+def _check_float(key: str, value, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key}={value!r}: expected a finite number")
+    if (value <= 0) if positive else (value < 0):
+        raise ValueError(f"{key}={value!r}: expected a number {'>' if positive else '>='} 0")
+
+
+@dataclass(frozen=True)
+class GpuLimits:
+    """Residency limits of one GPU (CUDA occupancy rules; sm_90 values in h200.yaml)."""
+
+    num_sms: int
+    registers_per_sm: int
+    max_registers_per_thread: int
+    register_alloc_unit: int
+    """Registers are allocated per warp in multiples of this (256 on sm_70..sm_90)."""
+    shared_bytes_per_sm: int
+    max_shared_bytes_per_cta: int
+    shared_reserved_bytes_per_cta: int
+    """Shared memory the driver reserves per resident CTA (1 KiB since sm_80)."""
+    max_threads_per_sm: int
+    max_threads_per_cta: int
+    max_ctas_per_sm: int
+
+    def __post_init__(self) -> None:
+        for key in _GPU_KEYS:
+            _check_int(f"gpu.{key}", getattr(self, key),
+                       0 if key == "shared_reserved_bytes_per_cta" else 1)
+
+
+@dataclass(frozen=True)
+class TileTime:
+    """tau(F) = alpha_us + beta_us * ceil(F / bk): time of one BM x BN output tile of depth F
+    while every CTA of the grid is busy, measured with `ctas_per_sm` CTAs resident per SM."""
+
+    bm: int
+    bn: int
+    bk: int
+    ctas_per_sm: int
+    alpha_us: float
+    beta_us: float
+
+    def __post_init__(self) -> None:
+        for key in ("bm", "bn", "bk", "ctas_per_sm"):
+            _check_int(f"tile_times.{key}", getattr(self, key), 1)
+        _check_float("tile_times.alpha_us", self.alpha_us, positive=False)
+        _check_float("tile_times.beta_us", self.beta_us, positive=False)
+        if self.alpha_us + self.beta_us <= 0:
+            raise ValueError(f"tile_times {self.bm}x{self.bn}x{self.bk}: alpha_us + beta_us "
+                             "must be > 0 (a tile takes time)")
+
+    @property
+    def shape(self) -> Tuple[int, int, int]:
+        return (self.bm, self.bn, self.bk)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One GPU kind's profile (see the module docstring and configs/hardware/h200.yaml).
+
+    Raises:
+        ValueError: a field is missing, has the wrong type or is out of range.
+    """
+
+    name: str
+    gpu: GpuLimits
+    tile_times: Tuple[TileTime, ...]
+    link_bandwidth_gbps: float
+    """B_link: aggregate peer-store bandwidth of one GPU (all its CTAs storing at once)."""
+    cta_bandwidth_gbps: float
+    """B_cta: peer-store bandwidth of one CTA."""
+    store_latency_us: float
+    """From the last peer store issued to it being visible at the destination."""
+    hbm_bandwidth_gbps: float
+    """B_hbm: the finalize kernel's read + write bandwidth."""
+    launch_overhead_us: float
+    """Launch cost of the fused kernel and the finalize kernel together."""
+    provisional: bool = False
+    """True while the values are not from `launch/calibrate.py` on this GPU kind."""
+    source: str = ""
+    """Where the numbers come from (calibration command and date, or the provisional notes)."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Calibration details kept for people (raw sweeps); the model reads none of it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name={self.name!r}: expected a non-empty string")
+        if not isinstance(self.provisional, bool):
+            raise ValueError(f"provisional={self.provisional!r}: expected true or false")
+        if not self.tile_times:
+            raise ValueError("tile_times: expected at least one tile shape")
+        shapes = [t.shape for t in self.tile_times]
+        if len(set(shapes)) != len(shapes):
+            raise ValueError(f"tile_times: a tile shape appears twice in {shapes}")
+        for key in _POSITIVE_FLOATS:
+            _check_float(key, getattr(self, key), positive=True)
+        for key in _NONNEGATIVE_FLOATS:
+            _check_float(key, getattr(self, key), positive=False)
+
+    def tile_time(self, bm: int, bn: int, bk: int) -> TileTime:
+        """The tile time model of shape (bm, bn, bk).
+
+        Raises:
+            ValueError: the profile has no entry for that shape (the message lists them).
+        """
+        for t in self.tile_times:
+            if t.shape == (bm, bn, bk):
+                return t
+        raise ValueError(f"hardware profile {self.name!r} has no tile time for tile "
+                         f"{bm}x{bn}x{bk}; it has {[t.shape for t in self.tile_times]} "
+                         "(run launch/calibrate.py with --tiles)")
+
+    def to_dict(self) -> dict:
+        """Plain dict in the YAML layout (`save_profile`)."""
+        d = asdict(self)
+        d["tile_times"] = [asdict(t) for t in self.tile_times]
+        if not d["extra"]:
+            del d["extra"]
+        return d
+
+
+_KEYS = ("name", "gpu", "tile_times", "link_bandwidth_gbps", "cta_bandwidth_gbps",
+         "store_latency_us", "hbm_bandwidth_gbps", "launch_overhead_us")
+_OPTIONAL = ("provisional", "source", "extra")
+
+
+def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
+    """Build and validate a profile from its YAML mapping.
+
+    Raises:
+        ValueError: missing or unknown keys (named with `where`), or a bad value.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    missing = sorted(set(_KEYS) - set(data))
+    unknown = sorted(set(data) - set(_KEYS) - set(_OPTIONAL))
+    if missing or unknown:
+        raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}")
+    gpu = data["gpu"]
+    if not isinstance(gpu, dict) or set(gpu) != set(_GPU_KEYS):
+        got = sorted(gpu) if isinstance(gpu, dict) else gpu
+        raise ValueError(f"{where}: gpu must have exactly the keys {list(_GPU_KEYS)}, got {got}")
+    tiles = data["tile_times"]
+    if not isinstance(tiles, list) or not all(isinstance(t, dict) for t in tiles):
+        raise ValueError(f"{where}: tile_times must be a list of mappings, got {tiles!r}")
+    try:
+        tile_objs = []
+        for t in tiles:
+            want = {"bm", "bn", "bk", "ctas_per_sm", "alpha_us", "beta_us"}
+            if set(t) != want:
+                raise ValueError(f"tile_times entry {t}: expected exactly the keys {sorted(want)}")
+            tile_objs.append(TileTime(**t))
+        rest = {k: data[k] for k in _KEYS[3:]}
+        return HardwareProfile(name=data["name"], gpu=GpuLimits(**gpu),
+                               tile_times=tuple(tile_objs), provisional=data.get("provisional",
+                                                                                 False),
+                               source=data.get("source", ""), extra=data.get("extra") or {},
+                               **rest)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def _resolve(name_or_path: Union[str, Path]) -> Path:
+    text = str(name_or_path)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"hardware profile file {text!r} does not exist")
+        return path
+    path = HARDWARE_DIR / f"{text}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+        raise ValueError(f"hardware profile {text!r}: unknown; expected one of {names} or a "
+                         "YAML path")
+    return path
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(path: str, mtime_ns: int) -> HardwareProfile:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({err})") from err
+    return profile_from_dict(data, where=path)
+
+
+_BY_NAME: dict = {}
+
+
+def load_profile(name_or_path: Optional[Union[str, Path]] = None) -> HardwareProfile:
+    """Load a hardware profile; cached per process by name or path (the resource manager
+    calls this before every launch: no file system access after the first call).
+
+    Args:
+        name_or_path: a name in `HARDWARE_DIR` ("h200") or a YAML path; None: the value of
+            `MEGATRON_OVERLAP_HW_PROFILE`, else `DEFAULT_PROFILE`.
+
+    Raises:
+        ValueError: unknown name, unreadable YAML, or a bad profile.
+    """
+    if name_or_path is None:
+        name_or_path = os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+    key = str(name_or_path)
+    profile = _BY_NAME.get(key)
+    if profile is None:
+        path = _resolve(name_or_path)
+        profile = _BY_NAME[key] = _load_cached(str(path), path.stat().st_mtime_ns)
+    return profile
+
+
+def save_profile(profile: HardwareProfile, path: Union[str, Path], header: str = "") -> None:
+    """Write `profile` as YAML (with `header` lines as comments on top)."""
+    text = yaml.safe_dump(profile.to_dict(), sort_keys=False, width=100)
+    comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(comment + text)

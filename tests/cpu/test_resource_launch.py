@@ -1,0 +1,122 @@
+"""launch/calibrate.py and launch/oracle.py on the CPU: --help, the --dry-run paths, the fits,
+the regret summary, table and plot (the GPU measurements themselves run on the device)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_overlap.bench import oracle
+from megatron_overlap.resource.profile import load_profile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_launch_{name}", REPO / "launch" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+calibrate = _load("calibrate")
+oracle_launch = _load("oracle")
+
+
+@pytest.mark.parametrize("script", ["calibrate.py", "oracle.py"])
+def test_help_runs_without_a_gpu(script):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / script), "--help"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--dry-run" in proc.stdout
+
+
+def test_fits_recover_the_model():
+    alpha, beta = calibrate.fit_tile_time([6, 12, 22, 224], [2.0 + 0.5 * k for k in
+                                                             (6, 12, 22, 224)])
+    assert alpha == pytest.approx(2.0) and beta == pytest.approx(0.5)
+    assert calibrate.fit_tile_time([1, 2], [3.0, 3.0]) == pytest.approx((3.0, 0.0))
+    with pytest.raises(ValueError):
+        calibrate.fit_tile_time([4, 4], [1.0, 2.0])
+    link, cta = calibrate.fit_link([1, 2, 4, 8, 132], [15.0, 31.0, 62.0, 120.0, 330.0])
+    assert (link, cta) == (330.0, 15.5)
+    with pytest.raises(ValueError):
+        calibrate.fit_link([1], [0.0])
+
+
+def test_calibrate_dry_run_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "h200.yaml"
+    assert calibrate.main(["--dry-run", "--out", str(out)]) == 0
+    prof, base = load_profile(out), load_profile("h200")
+    assert prof.provisional and "DRY RUN" in out.read_text()
+    t, b = prof.tile_times[0], base.tile_times[0]
+    assert t.alpha_us == pytest.approx(b.alpha_us, abs=1e-3)
+    assert t.beta_us == pytest.approx(b.beta_us, abs=1e-4)
+    assert prof.link_bandwidth_gbps == base.link_bandwidth_gbps
+    assert prof.cta_bandwidth_gbps == pytest.approx(base.cta_bandwidth_gbps)
+    assert len(prof.extra["peer_store_sweep"]) == len(calibrate.DEFAULT_CTAS)
+
+
+def test_oracle_dry_run_rows(tmp_path):
+    out = tmp_path / "oracle.jsonl"
+    args = ["--dry-run", "--out", str(out), "--models", "mixtral-8x7b", "qwen3-30b-a3b",
+            "--tokens", "256", "--k-step", "16"]
+    assert oracle_launch.main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    workloads = {oracle.workload_key(r) for r in rows}
+    assert len(workloads) == 6  # 2 models x (ep uniform, ep skewed, tp uniform), 256 tokens
+    for key in workloads:
+        grid = [r for r in rows if oracle.workload_key(r) == key and r["kind"] == "grid"]
+        plan = [r for r in rows if oracle.workload_key(r) == key and r["kind"] == "plan"]
+        assert len(plan) == 1 and len(plan[0]["k_ranks"]) == 2
+        assert [r["k"] for r in grid] == oracle.k_grid(plan[0]["num_ctas"], 16)
+        # the plan's predicted time is the least over the grid (the model's own optimum)
+        assert plan[0]["predicted_ms"] <= min(r["predicted_ms"] for r in grid) + 1e-9
+        assert all("p50_ms" not in r for r in grid)  # nothing measured
+
+
+def test_suite_grid_and_budget():
+    assert len(oracle.SUITE) >= 15
+    assert {m for m, *_ in oracle.SUITE} == set(oracle.MODELS)
+    assert {(lay, r) for _, lay, r, _ in oracle.SUITE} >= {("ep", "uniform"), ("ep", "skewed"),
+                                                           ("tp", "uniform")}
+    assert oracle.k_grid(132, 1) == list(range(1, 132))
+    assert oracle.k_grid(132, 50) == [1, 16, 51, 101, 131]
+    with pytest.raises(ValueError):
+        oracle.k_grid(1, 1)
+    assert oracle.auto_step(132, 0.001, 23, 12.0) == 1  # 0.3 s for every k: fits
+    step = oracle.auto_step(132, 0.01, 23, 12.0)  # 23 ms per k, 12 s: ~52 k
+    assert 2 <= step <= 3 and len(oracle.k_grid(132, step)) * 0.23 <= 12.0 + 0.23 * 3
+
+
+def _measured(model, k_times, plan_k, plan_t):
+    w = dict(model=model, layout="ep", routing="uniform", tokens_per_rank=4096)
+    rows = [dict(w, kind="grid", k=k, p20_ms=t, p50_ms=t, p80_ms=t, predicted_ms=t * 0.9)
+            for k, t in k_times.items()]
+    rows.append(dict(w, kind="plan", k=plan_k, p20_ms=plan_t, p50_ms=plan_t, p80_ms=plan_t,
+                     predicted_ms=plan_t * 0.9, k_ranks=[plan_k, plan_k], num_ctas=132,
+                     k_step=1))
+    return rows
+
+
+def test_regret_summary_table_and_plot(tmp_path):
+    rows = (_measured("a", {1: 2.0, 16: 1.2, 64: 1.0, 131: 1.5}, 60, 1.05)
+            + _measured("b", {1: 3.0, 16: 2.0, 64: 2.2}, 16, 2.0)
+            + _measured("c", {1: 1.0, 16: 1.1}, 5, 0.9))  # the plan beats every grid k
+    s = {r["model"]: r for r in oracle.summarize(rows)}
+    assert s["a"]["k_oracle"] == 64 and s["a"]["regret"] == pytest.approx(0.05)
+    assert s["a"]["regret_fixed"] == pytest.approx(0.2)
+    assert s["b"]["regret"] == 0 and s["b"]["k_oracle"] == 16
+    assert s["c"]["regret"] == 0 and s["c"]["k_oracle"] == 5
+    text = oracle.table(list(s.values()))
+    assert "mean 1.67 %, max 5.00 % over 3 workloads" in text
+    path = tmp_path / "oracle.png"
+    oracle.plot(rows, list(s.values()), str(path))
+    assert path.stat().st_size > 10_000

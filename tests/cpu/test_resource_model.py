@@ -1,0 +1,274 @@
+"""Properties of the wave-quantized resource model and the plan API (Python twin; the C++
+solver is held to the twin in test_resource_solver.py).
+
+Problems are (G, T_r, T_l, tau_ps, c_link_ps, c_cta_ps); see `resource.model`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from megatron_overlap.config import GatherRSOptions
+from megatron_overlap.metadata import GatherRSMetadata
+from megatron_overlap.resource import (
+    DEFAULT_KERNEL_RESOURCES,
+    DEFAULT_TILE,
+    KernelResources,
+    Plan,
+    kernel_resources_from_compiled,
+    plan_gemm2_gatherrs,
+    solver,
+)
+from megatron_overlap.resource import model as twin
+from megatron_overlap.resource.profile import (
+    load_profile,
+    profile_from_dict,
+    save_profile,
+)
+
+H200 = load_profile("h200")
+LIMITS = {k: getattr(H200.gpu, k) for k in H200.gpu.__dataclass_fields__ if k != "num_sms"}
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def best_end(p):
+    return twin.solve(*p)[1]
+
+
+# ---- wave quantization -------------------------------------------------------------------
+
+@pytest.mark.parametrize("g", [7, 132])
+def test_no_remote_gemm_time_steps_exactly_after_multiples_of_the_grid(g):
+    tau = 1_000_003
+    ends = [twin.solve(g, 0, t, tau, 50, 70) for t in range(1, 5 * g + 2)]
+    assert all(k == 0 for k, _ in ends)
+    for t in range(1, 5 * g + 1):  # t and t + 1 tiles
+        same_wave = t % g != 0
+        assert (ends[t][1] == ends[t - 1][1]) == same_wave, t
+        if not same_wave:
+            assert ends[t][1] - ends[t - 1][1] == tau  # one more wave, right after m * G
+
+
+def test_compute_bound_best_time_is_whole_waves_of_all_tiles():
+    # Link and per-CTA stores never bind (G * c_link <= tau, c_cta <= tau): the best split
+    # finishes all T_r + T_l tiles in ceil((T_r + T_l) / G) waves, so the predicted time
+    # is flat between multiples of G in the total and jumps right after.
+    g, tau, tr = 66, 20_000_000, 150
+    ends = [best_end((g, tr, tl, tau, 1000, 2_000_000)) for tl in range(4 * g)]
+    for tl, e in enumerate(ends):
+        assert e == cdiv(tr + tl, g) * tau, tl
+
+
+def test_remote_tiles_at_link_speed_bound_the_time():
+    g, tau = 132, 3_000_000
+    for tr in (100, 1000, 5000):
+        for c_link in (10_000, 100_000, 1_000_000):
+            _, e = twin.solve(g, tr, 800, tau, c_link, 500_000)
+            assert e >= tr * c_link  # the link moves every remote byte
+            assert e >= cdiv(tr + 800, g) * tau  # and every tile takes a wave slot
+
+
+# ---- monotonicity ------------------------------------------------------------------------
+
+def random_problem(rng, link_bound: bool):
+    g = int(rng.choice([16, 66, 132, 264]))
+    tau = int(rng.integers(1_000_000, 130_000_000))
+    hi = tau // g if not link_bound else 3 * tau
+    return (g, int(rng.integers(1, 4000)), int(rng.integers(0, 4000)), tau,
+            int(rng.integers(0, max(1, hi))), int(rng.integers(0, tau if not link_bound
+                                                                 else 3 * tau)))
+
+
+def test_more_remote_load_never_lowers_the_predicted_time():
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        g, tr, tl, tau, c_link, c_cta = random_problem(rng, link_bound=bool(rng.random() < .5))
+        base = best_end((g, tr, tl, tau, c_link, c_cta))
+        more_tiles = best_end((g, tr + int(rng.integers(1, 60)), tl, tau, c_link, c_cta))
+        f = float(rng.uniform(1, 3))  # more bytes per remote tile
+        more_bytes = best_end((g, tr, tl, tau, int(c_link * f), int(c_cta * f)))
+        assert more_tiles >= base and more_bytes >= base
+
+
+def test_more_remote_tiles_never_lower_k_within_the_same_wave_count():
+    # Compute-bound (the link and the per-CTA stores never bind): k is the fewest CTAs that
+    # work off the remote queue within the grid's waves, k = ceil(T_r / waves), so more
+    # remote tiles never lower it while the total stays within the same number of waves.
+    # (Across a wave boundary, or where the link binds, the smallest k with the least time
+    # can drop: docs/resource_model.md gives counterexamples.)
+    rng = np.random.default_rng(1)
+    checked = 0
+    for _ in range(1500):
+        g, tr, tl, tau, c_link, c_cta = random_problem(rng, link_bound=False)
+        tr2 = tr + int(rng.integers(1, 200))
+        waves, waves2 = cdiv(tr + tl, g), cdiv(tr2 + tl, g)
+        if tl == 0 or waves != waves2 or cdiv(tr2, waves) > g - 1:
+            continue  # (k <= G - 1: a grid too small for the remote queue is not this case)
+        k, _ = twin.solve(g, tr, tl, tau, c_link, c_cta)
+        k2, _ = twin.solve(g, tr2, tl, tau, c_link, c_cta)
+        assert k2 >= k, (g, tr, tr2, tl)
+        assert k == max(1, cdiv(tr, waves)) and k2 == max(1, cdiv(tr2, waves))
+        checked += 1
+    assert checked > 200
+
+
+def test_slower_remote_tiles_never_lower_k_in_the_compute_bound_regime():
+    # A slower per-CTA store (c_cta > tau) makes each remote tile cost more: more CTAs.
+    g, tl, tau = 132, 2000, 10_000_000
+    ks = [twin.solve(g, 1000, tl, tau, 0, c)[0] for c in range(0, 40_000_000, 2_000_000)]
+    assert ks == sorted(ks) and ks[-1] > ks[0]
+
+
+# ---- occupancy ---------------------------------------------------------------------------
+
+def test_occupancy_follows_cuda_rules():
+    ctas = lambda r, s, t: twin.ctas_per_sm(r, s, t, **LIMITS)
+    assert ctas(255, 98304, 256) == 1  # registers: 8 warps x 8192 = the whole file
+    assert ctas(128, 98304, 256) == 2  # 2 x (96 KiB + 1 KiB reserved) <= 228 KiB
+    assert ctas(128, 120000, 256) == 1  # shared memory
+    assert ctas(32, 0, 32) == 32  # the CTA limit
+    assert ctas(32, 0, 1024) == 2  # threads
+    assert ctas(33, 0, 1024) == 1  # 33 registers round up to 40 per thread per warp
+    assert twin.ctas_per_sm(*DEFAULT_KERNEL_RESOURCES.__dict__.values(), **LIMITS) == 1
+
+
+def test_kernel_resources_checks_and_compiled():
+    with pytest.raises(TypeError):
+        KernelResources(registers_per_thread=1.5, shared_bytes=0, threads_per_cta=32)
+    with pytest.raises(ValueError):
+        KernelResources(registers_per_thread=0, shared_bytes=0, threads_per_cta=32)
+
+    class Meta:
+        shared, num_warps = 65536, 4
+
+    class Compiled:
+        n_regs, metadata = 96, Meta()
+
+    assert kernel_resources_from_compiled(Compiled()) == KernelResources(96, 65536, 128)
+    with pytest.raises(ValueError, match="not a compiled Triton kernel"):
+        kernel_resources_from_compiled(object())
+
+
+# ---- plan API ----------------------------------------------------------------------------
+
+def meta_of(counts, tp=1, ep=2, rank=0, num_tokens=4096):
+    counts = np.asarray(counts, dtype=np.int64)
+    z = np.zeros(tp * ep, dtype=np.int64)
+    return GatherRSMetadata(tp_size=tp, tp_rank=rank % tp, ep_size=ep, ep_rank=rank // tp,
+                            num_local_experts=counts.shape[0], num_tokens=num_tokens,
+                            rows_per_expert_per_chunk=counts, send_slots=z, recv_slots=z,
+                            dest_row_offsets=z, recv_rows_per_rank=z, gather_index=None,
+                            recv_token_index=None)
+
+
+SIZES = dict(num_sms=132, hidden=4096, ffn=14336)
+
+
+def test_plan_model_no_remote_override_cpu_fixed():
+    opts = GatherRSOptions()
+    meta = meta_of([[1000, 1100], [900, 1200]])  # EP=2, rank 0: chunk 1 is remote
+    plan = plan_gemm2_gatherrs(meta, opts, **SIZES)
+    assert plan.source == "model" and plan.num_ctas == 132 and 1 <= plan.num_comm_ctas < 132
+    b = plan.breakdown
+    assert (b.remote_tiles, b.local_tiles) == ((9 + 10) * 32, (8 + 8) * 32)
+    assert plan.predicted_us == pytest.approx(
+        b.gemm_us + b.store_latency_us + b.finalize_us + b.launch_us)
+    assert b.gemm_us == max(b.remote_bound_us, b.wave_bound_us)
+
+    world1 = plan_gemm2_gatherrs(meta_of([[1000], [900]], ep=1), opts, **SIZES)
+    assert (world1.num_comm_ctas, world1.source) == (0, "no-remote")
+    assert world1.breakdown.remote_tiles == 0 and world1.breakdown.store_latency_us == 0
+    empty_remote = plan_gemm2_gatherrs(meta_of([[1000, 0], [900, 0]]), opts, **SIZES)
+    assert (empty_remote.num_comm_ctas, empty_remote.source) == (0, "no-remote")
+
+    forced = plan_gemm2_gatherrs(meta, GatherRSOptions(num_comm_ctas=7), **SIZES)
+    assert (forced.num_comm_ctas, forced.source) == (7, "override")
+    assert forced.predicted_us >= plan.predicted_us  # the model's choice is its best
+    with pytest.raises(ValueError, match="exceeds the GPU's 132 SMs"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(num_comm_ctas=133), **SIZES)
+
+    cpu = plan_gemm2_gatherrs(meta, opts)
+    assert (cpu.num_ctas, cpu.source, cpu.predicted_us) == (None, "cpu", None)
+    assert Plan(num_comm_ctas=1, num_ctas=1, source="test").breakdown is None
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        fixed = plan_gemm2_gatherrs(meta, opts, num_sms=132)
+    assert fixed.source == "fixed" and fixed.num_ctas == 132
+
+
+def test_plan_with_two_ctas_per_sm_doubles_the_grid():
+    meta = meta_of([[1000, 1100], [900, 1200]])
+    plan = plan_gemm2_gatherrs(meta, GatherRSOptions(), kernel=KernelResources(128, 98304, 256),
+                               **SIZES)
+    assert plan.num_ctas == 264 and plan.breakdown.ctas_per_sm == 2
+    # tau was calibrated at 1 CTA per SM: with 2 resident, each tile takes twice as long
+    one = plan_gemm2_gatherrs(meta, GatherRSOptions(), **SIZES)
+    assert plan.breakdown.tile_us == pytest.approx(2 * one.breakdown.tile_us, abs=1e-6)
+
+
+def test_plan_bad_input():
+    meta = meta_of([[10, 10]])
+    with pytest.raises(ValueError, match="hidden=0"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=132, hidden=0, ffn=64)
+    with pytest.raises(TypeError):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=132.0, hidden=64, ffn=64)
+    with pytest.raises(ValueError, match="no tile time for tile 64x64x32"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), tile=(64, 64, 32), **SIZES)
+    with pytest.raises(ValueError, match="cannot be resident"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), kernel=KernelResources(255, 0, 1024),
+                            **SIZES)
+    with pytest.raises(ValueError, match="at least 2 CTAs"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=1, hidden=64, ffn=64)
+
+
+def test_default_tile_is_the_kernels():
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as KERNEL_TILE
+
+    assert DEFAULT_TILE == (KERNEL_TILE.bm, KERNEL_TILE.bn, KERNEL_TILE.bk)
+    H200.tile_time(*DEFAULT_TILE)  # the shipped profile covers it
+
+
+def test_twin_stands_in_with_one_warning(monkeypatch):
+    monkeypatch.setattr(solver, "_cpp", None)
+    monkeypatch.setattr(solver, "_warned", False)
+    monkeypatch.delenv(solver.SOLVER_ENV, raising=False)
+    with pytest.warns(UserWarning, match="not built"):
+        assert solver.implementation() is twin
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert solver.implementation() is twin  # once only
+        plan = plan_gemm2_gatherrs(meta_of([[1000, 1100]]), GatherRSOptions(), **SIZES)
+    assert plan.source == "model"
+    with pytest.raises(ImportError, match="not built"):
+        solver.implementation("cpp")
+    with pytest.raises(ValueError, match="expected 'cpp' or 'python'"):
+        solver.implementation("fortran")
+
+
+# ---- profiles ----------------------------------------------------------------------------
+
+def test_shipped_profile_and_round_trip(tmp_path):
+    assert H200.gpu.num_sms == 132 and H200.provisional
+    path = tmp_path / "x.yaml"
+    save_profile(H200, path, header="test header")
+    assert path.read_text().startswith("# test header")
+    assert load_profile(path) == H200
+
+
+def test_bad_profiles_name_the_key():
+    good = H200.to_dict()
+    with pytest.raises(ValueError, match="missing keys \\['hbm_bandwidth_gbps'\\]"):
+        profile_from_dict({k: v for k, v in good.items() if k != "hbm_bandwidth_gbps"})
+    with pytest.raises(ValueError, match="link_bandwidth_gbps=-1"):
+        profile_from_dict(dict(good, link_bandwidth_gbps=-1))
+    with pytest.raises(ValueError, match="gpu.num_sms=0"):
+        profile_from_dict(dict(good, gpu=dict(good["gpu"], num_sms=0)))
+    with pytest.raises(ValueError, match="unknown; expected one of"):
+        load_profile("no-such-gpu")
