@@ -111,7 +111,8 @@ def prepare_gemm2_gatherrs(
 
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
-        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms)
+        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms, hidden=w2.shape[1],
+                                   ffn=w2.shape[2], elem_bytes=h_like.element_size())
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
     return _Call(meta, workspace, plan, hidden=w2.shape[1], dtype=h_like.dtype,

@@ -56,7 +56,9 @@ def test_calibrate_dry_run_writes_a_loadable_profile(tmp_path):
     assert calibrate.main(["--dry-run", "--out", str(out)]) == 0
     prof, base = load_profile(out), load_profile("h200")
     assert prof.provisional and "DRY RUN" in out.read_text()
-    t, b = prof.tile_times[0], base.tile_times[0]
+    from megatron_overlap.resource import DEFAULT_TILE
+
+    t, b = prof.tile_time(*DEFAULT_TILE), base.tile_time(*DEFAULT_TILE)
     assert t.alpha_us == pytest.approx(b.alpha_us, abs=1e-3)
     assert t.beta_us == pytest.approx(b.beta_us, abs=1e-4)
     assert prof.link_bandwidth_gbps == base.link_bandwidth_gbps

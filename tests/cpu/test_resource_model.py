@@ -176,7 +176,8 @@ def test_plan_model_no_remote_override_cpu_fixed():
     plan = plan_gemm2_gatherrs(meta, opts, **SIZES)
     assert plan.source == "model" and plan.num_ctas == 132 and 1 <= plan.num_comm_ctas < 132
     b = plan.breakdown
-    assert (b.remote_tiles, b.local_tiles) == ((9 + 10) * 32, (8 + 8) * 32)
+    ncb = 4096 // DEFAULT_TILE[1]  # column blocks of H = 4096
+    assert (b.remote_tiles, b.local_tiles) == ((9 + 10) * ncb, (8 + 8) * ncb)
     assert plan.predicted_us == pytest.approx(
         b.gemm_us + b.store_latency_us + b.finalize_us + b.launch_us)
     assert b.gemm_us == max(b.remote_bound_us, b.wave_bound_us)
