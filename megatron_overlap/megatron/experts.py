@@ -24,8 +24,6 @@ Shape symbols: N rows, H hidden, F per-expert FFN width per expert-TP rank, L lo
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -58,8 +56,8 @@ class GatherRSSequentialMLP(SequentialMLP):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection,
                          name=name)
         self.fc1_impl = "auto"
-        self.last_fc1: Optional[str] = None
-        self.last_fc2_weight: Optional[str] = None
+        self.last_fc1: str | None = None
+        self.last_fc2_weight: str | None = None
         self.stacks_weights = gatherrs_enabled(config)
         if self.stacks_weights:
             self.stack_weights_()
@@ -86,7 +84,7 @@ class GatherRSSequentialMLP(SequentialMLP):
 
     # ---- the flag-on forward -----------------------------------------------------------
 
-    def _fc1_loop_reason(self, x: torch.Tensor) -> Optional[str]:
+    def _fc1_loop_reason(self, x: torch.Tensor) -> str | None:
         """Why forward_fc1 runs Megatron's loop, or None for the grouped GEMM."""
         if self.fc1_impl not in FC1_IMPLS:
             raise ValueError(f"fc1_impl={self.fc1_impl!r}; expected one of {FC1_IMPLS}")

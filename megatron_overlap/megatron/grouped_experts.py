@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ def _check_same_layout(tensors: Sequence[torch.Tensor], what: str) -> None:
             )
 
 
-def stacked_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A zero-copy [L, *shape] view over `tensors`, or None when they are not laid out so.
 
     The view exists when every tensor is contiguous, all live in one storage, and tensor i
@@ -135,7 +135,7 @@ def _autograd_recording(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def stacked_weights(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, str]:
+def stacked_weights(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, str]:
     """The [L, *shape] stack of `tensors`, zero-copy where possible.
 
     Returns:
@@ -177,8 +177,8 @@ def grouped_mm_name() -> str:
     return _grouped_mm_fn()[1]
 
 
-def _counts(tokens_per_expert: Union[torch.Tensor, Sequence[int]], num_experts: int,
-            num_rows: int) -> List[int]:
+def _counts(tokens_per_expert: torch.Tensor | Sequence[int], num_experts: int,
+            num_rows: int) -> list[int]:
     if isinstance(tokens_per_expert, torch.Tensor):
         counts = [int(c) for c in tokens_per_expert.tolist()]
     else:
@@ -194,8 +194,8 @@ def _counts(tokens_per_expert: Union[torch.Tensor, Sequence[int]], num_experts: 
 def expert_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
-    tokens_per_expert: Union[torch.Tensor, Sequence[int]],
-) -> Tuple[torch.Tensor, str]:
+    tokens_per_expert: torch.Tensor | Sequence[int],
+) -> tuple[torch.Tensor, str]:
     """y = x_l @ weight[l]^T for each expert l's block of rows, as one grouped GEMM.
 
     Args:
@@ -279,7 +279,7 @@ def mlp_parts_replaced(mlps: Sequence[MLP], *, fc1: bool = False,
 
 
 def grouped_fc1_unsupported_reason(experts: torch.nn.Module,
-                                   x: Optional[torch.Tensor] = None) -> Optional[str]:
+                                   x: torch.Tensor | None = None) -> str | None:
     """Why `grouped_fc1_activation` cannot stand in for the experts' FC1 loop, or None.
 
     Supported: a `SequentialMLP` with >= 2 local experts whose `linear_fc1` are Megatron
@@ -322,9 +322,9 @@ def grouped_fc1_unsupported_reason(experts: torch.nn.Module,
 def grouped_fc1_activation(
     experts: torch.nn.Module,
     x: torch.Tensor,
-    tokens_per_expert: Union[torch.Tensor, Sequence[int]],
+    tokens_per_expert: torch.Tensor | Sequence[int],
     probs: torch.Tensor,
-) -> Tuple[torch.Tensor, str]:
+) -> tuple[torch.Tensor, str]:
     """FC1 of all local experts as one grouped GEMM, then Megatron's activation and probs.
 
     Equals `SequentialMLP.forward` stopped before FC2 (within the GEMM's rounding: one
