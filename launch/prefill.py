@@ -70,6 +70,7 @@ from megatron_overlap.bench.measure import (  # after the sys.path line
     append_rows,
     environment,
     max_error,
+    own_peak,
     param_bytes,
     percentile,
     reduce_max,
@@ -1107,9 +1108,11 @@ def make_rows(
             for key in ("persistent_bytes", "symm_workspace_bytes", "fwd_extra_bytes")
         }
         memory["param_bytes"] = details[name]["param_bytes"]
-        own_peak = None
+        own_peak_bytes = None
         if cuda:
-            own_peak = sum(v for v in memory.values() if v is not None)
+            own_peak_bytes = own_peak(
+                memory["param_bytes"], memory["symm_workspace_bytes"], memory["fwd_extra_bytes"]
+            )
         rows.append(
             {
                 "schema": SCHEMA,
@@ -1134,7 +1137,7 @@ def make_rows(
                 "peak_mem_gib": timing["peak_bytes"][name] / 2**30 if cuda else None,
                 "peak_abs_bytes": timing["peak_bytes"][name],
                 **memory,
-                "own_peak_bytes": own_peak,
+                "own_peak_bytes": own_peak_bytes,
                 "max_rel_diff": own["on_vs_off"]["max_rel_diff"],
                 "errors": own,
                 "tolerance": TOLERANCE[run.dtype],

@@ -7,17 +7,20 @@ timed runs, then percentiles of that list).
 
 Memory of a variant, in bytes, per rank (the maximum over ranks goes into the rows):
 * `param_bytes`: its parameters and buffers;
-* `persistent_bytes`: what its first forward leaves allocated (caches, workspaces in
-  PyTorch's caching allocator);
 * `symm_workspace_bytes`: the fused op's symmetric-memory workspace (`megatron_overlap.
-  symm`), allocated by PyTorch's symmetric-memory allocator outside the caching allocator
-  and so not in `torch.cuda.max_memory_allocated`; added from the workspace's own size (if
-  some torch version did count it, it would be counted twice: an overstatement against us);
-* `fwd_extra_bytes`: the largest `max_memory_allocated` during one of its forwards minus
-  what was allocated just before that forward (activations, outputs, temporaries);
-* `own_peak_bytes` = the sum of the four: the peak the variant would need on its own, input
-  aside, whatever else the benchmark keeps resident (other variants' weights);
-* `peak_abs_bytes`: plain `max_memory_allocated` during its forwards (everything resident).
+  symm`; flag on only), allocated by PyTorch's symmetric-memory allocator outside the caching
+  allocator and so not in `torch.cuda.max_memory_allocated`; added from the workspace's own
+  size (if some torch version did count it, it would be counted twice: an overstatement
+  against the flag);
+* `fwd_extra_bytes`: the largest `max_memory_allocated` during one of its timed forwards
+  minus what was allocated just before that forward (activations, outputs, temporaries);
+* `own_peak_bytes` = `own_peak(param, symm, fwd_extra)`, their sum: the peak the variant
+  needs on its own, input aside, whatever else the benchmark keeps resident (the other
+  variants' weights). The flag's extra memory is own_peak(on) / own_peak(baseline) - 1;
+* `peak_abs_bytes`: plain `max_memory_allocated` during its forwards (everything resident);
+* `persistent_bytes` (information only, not in own_peak): what the variant's first forward
+  left allocated. Buffers shared by all variants (Megatron's global memory buffer for
+  sequence-parallel all-gathers) land on whichever variant runs first.
 """
 
 from __future__ import annotations
@@ -151,6 +154,11 @@ def param_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers (each storage view counted by its size)."""
     tensors = list(module.parameters()) + list(module.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def own_peak(param: int, symm: int, fwd_extra: int) -> int:
+    """A variant's own peak memory in bytes (see the module docstring)."""
+    return int(param) + int(symm) + int(fwd_extra)
 
 
 def symm_workspace_bytes() -> int:
