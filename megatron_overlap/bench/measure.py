@@ -25,10 +25,14 @@ Memory of a variant, in bytes, per rank (the maximum over ranks goes into the ro
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -227,13 +231,30 @@ def git_sha() -> str:
         return "unknown"
 
 
+def command_line(world_size: int) -> str:
+    """The command that started this process, as a user would type it: `torchrun --standalone
+    --nproc_per_node <world> <script> <args>` for world > 1 (reconstructed: torchrun's own
+    options other than the process count are not visible to its workers), else `python3
+    <script> <args>`; the script path relative to the repository when inside it."""
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "?"
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(script, REPO_ROOT)
+        if not rel.startswith(".."):
+            script = rel
+    args = shlex.join(sys.argv[1:])
+    if world_size > 1:
+        return f"torchrun --standalone --nproc_per_node {world_size} {script} {args}".strip()
+    return f"python3 {script} {args}".strip()
+
+
 def environment(device: torch.device) -> dict:
-    """Fields common to every row: hardware, versions, git sha, timestamp (UTC)."""
+    """Fields common to every row: the command, hardware, versions, git sha, timestamp (UTC)."""
     import megatron.core
 
     from megatron_overlap.megatron.grouped_experts import grouped_mm_name
 
     return {
+        "command": command_line(dist.get_world_size() if dist.is_initialized() else 1),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "host": platform.node(),
         "python": platform.python_version(),

@@ -138,6 +138,14 @@ def test_bench_layer_world1(tmp_path):
     if not _te_imports():
         assert "skipping off-te: Transformer Engine" in proc.stdout, _explain(proc)
     _check_rows(rows, {"tp1/ep1/dp1/sp0": (1, 1)}, 1)
+    # The report reads these rows (CPU rows only with --include-cpu).
+    from megatron_overlap.bench import make_report
+
+    report = tmp_path / "report.md"
+    assert make_report.main([str(tmp_path / "layer.jsonl"), "--out", str(report),
+                             "--include-cpu", "--no-plots"]) == 0
+    text = report.read_text()
+    assert f"| tiny | tp1/ep1/dp1/sp0 | {SEQ} |" in text and "python3 launch/bench_layer.py" in text
 
 
 @pytest.mark.slow

@@ -274,6 +274,13 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
     # Same seed, same model: the second model's weights equal the first's (`reseed`), so its
     # reports (max |output| included, which depends on the weights) are the same.
     assert rows[0]["errors"] == rows[3]["errors"]
+    # The report reads these rows (CPU rows only with --include-cpu).
+    from megatron_overlap.bench import make_report
+
+    report = tmp_path / "report.md"
+    assert make_report.main([str(out), "--out", str(report), "--include-cpu", "--no-plots"]) == 0
+    text = report.read_text()
+    assert "| tiny | tp1/ep1/dp1/sp0 | 1 | 32 |" in text and "off-grouped / on" in text
 
 
 def test_num_moe_layers_keeps_leading_dense_layers():
