@@ -80,6 +80,7 @@ from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
     append_rows,
+    arm_stack_dumps,
     environment,
     max_error,
     own_peak,
@@ -670,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ensure_launch_env()
     try:
+        arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
         from megatron_overlap.models import load_model_shape
 
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))

@@ -68,6 +68,7 @@ from megatron_overlap.bench.measure import (  # after the sys.path line
     Timer,
     allocated_bytes,
     append_rows,
+    arm_stack_dumps,
     environment,
     max_error,
     own_peak,
@@ -1434,6 +1435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ensure_launch_env()
     try:
+        arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
         from megatron_overlap.models import load_model_shape
 
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))

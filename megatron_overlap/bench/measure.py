@@ -146,6 +146,32 @@ class Timer:
         return list(self.cpu_ms)
 
 
+STACK_DUMP_ENV = "MO_STACK_DUMP_S"
+
+
+def arm_stack_dumps() -> float | None:
+    """If `$MO_STACK_DUMP_S` is set (seconds > 0), every this many seconds each process
+    writes all its threads' Python stacks to stderr (`faulthandler.dump_traceback_later`),
+    so a run that stops making progress says where each rank waits. Returns the period.
+
+    Raises:
+        ValueError: the variable is set but not a number > 0.
+    """
+    import faulthandler
+
+    text = os.environ.get(STACK_DUMP_ENV)
+    if not text:
+        return None
+    try:
+        period = float(text)
+    except ValueError:
+        period = -1.0
+    if not period > 0:
+        raise ValueError(f"{STACK_DUMP_ENV}={text!r}: expected seconds > 0")
+    faulthandler.dump_traceback_later(period, repeat=True)
+    return period
+
+
 def allocated_bytes(device: torch.device) -> int:
     """`torch.cuda.memory_allocated` after the queued work finished (0 on CPU)."""
     if device.type != "cuda":

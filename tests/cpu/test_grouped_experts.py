@@ -205,9 +205,11 @@ def _input(case: Case, rank: int) -> torch.Tensor:
     return torch.randn(seq, 2, H, generator=gen).to(case.dtype)
 
 
-def _layer_case(case: Case, rank: int) -> dict:
+def _layer_case(case: Case, rank: int, device: str = "cpu") -> dict:
     stock, _, on = _layers(case)
-    x = _input(case, rank)
+    stock.to(device)
+    on.to(device)  # on CUDA: Module.to moves each weight; _apply re-stacks them
+    x = _input(case, rank).to(device)
     on.experts.fc1_impl = "grouped"
     with torch.no_grad():
         ref, _ = stock(x)
@@ -223,6 +225,7 @@ def _layer_case(case: Case, rank: int) -> dict:
         "last_fc2_weight": last_fc2,
         "fc2_view": stacked_view(_weights(on, "linear_fc2")) is not None,
         "fc1_view": stacked_view(_weights(on, "linear_fc1")) is not None,
+        "device": str(_weights(on, "linear_fc2")[0].device.type),
     }
 
 
@@ -319,15 +322,20 @@ def _layout_case(case: Case, rank: int) -> dict:
     return res
 
 
-def _worker(rank: int, world_size: int, cases: list) -> list:
+def _worker(rank: int, world_size: int, cases: list, device: str = "cpu") -> list:
+    """Run `cases` on this rank; `device="cuda"` (nccl backend) for the GPU test, which runs
+    layer cases only (tests/gpu/test_grouped_experts_gpu.py)."""
     from tests.support.megatron_cpu import apply_cpu_patches, parallel_state
 
-    apply_cpu_patches()
+    if device == "cpu":
+        apply_cpu_patches()
     del world_size
 
     def run(case: Case) -> dict:
         with parallel_state(case.tp, case.ep, seed=1234):
-            return (_layout_case if case.checks == "layout" else _layer_case)(case, rank)
+            if case.checks == "layout":
+                return _layout_case(case, rank)
+            return _layer_case(case, rank, device)
 
     return for_each_case(cases, run)
 
@@ -348,7 +356,8 @@ WORLD2 = [
 ]
 
 
-def _check_layer(case: Case, res: dict, where: str) -> None:
+def check_layer(case: Case, res: dict, where: str) -> None:
+    """Assert one layer case's result (shared with the GPU test)."""
     assert res["grouped_vs_stock"] is None, (where, res)
     assert res["loop_vs_stock"] is None, (where, res)
     assert res["fc1_view"] and res["fc2_view"], (where, res)
@@ -394,4 +403,4 @@ def test_flag_on_experts_layout_and_grouped_fc1(world):
             if case.checks == "layout":
                 _check_layout(res)
             else:
-                _check_layer(case, res, where)
+                check_layer(case, res, where)
