@@ -232,7 +232,8 @@ def expert_matmul(
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
         try:
             return fn(x, weight.transpose(1, 2), offs=offs.to(x.device, non_blocking=True)), name
-        except RuntimeError as err:
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+            # torch's checks (dtype, alignment, architecture) raise before any work is queued
             _refused[key] = str(err)
             warnings.warn(
                 f"{name} refused {x.dtype} on {x.device.type} ({err}); the expert GEMMs run "
