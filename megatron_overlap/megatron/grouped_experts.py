@@ -51,7 +51,7 @@ __all__ = [
 GROUPED_ACTIVATIONS = (F.silu, F.gelu)
 """`config.activation_func` values the grouped FC1 path takes (gated: SwiGLU / GeGLU)."""
 
-_refused: dict = {}  # (device type, dtype) -> the grouped-GEMM error, after the first refusal
+_refused: dict = {}  # (device type, dtype, K, O) -> the grouped GEMM's error, once it refused
 
 
 # --------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def expert_matmul(
     Returns:
         (y [N, O] in x's dtype, impl): impl names what ran: `grouped_mm_name()`, or "loop"
         (one matmul per expert) where torch has no grouped GEMM or refused this device /
-        dtype / alignment (warned once per device type and dtype).
+        dtype / alignment (warned once per device type, dtype and K, O).
 
     Raises:
         ValueError: shapes disagree, or the counts do not sum to N.
@@ -227,7 +227,7 @@ def expert_matmul(
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[1]), "none (no rows)"
     fn, name = _grouped_mm_fn()
-    key = (x.device.type, x.dtype)
+    key = (x.device.type, x.dtype, x.shape[1], weight.shape[1])  # refusals: dtype/alignment
     if fn is not None and key not in _refused:
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
         try:
