@@ -376,7 +376,9 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
         groups = workloads(rows, benchmark)
         parts += ["", f"## {title}", ""]
         if not groups:
-            parts.append("No rows.")
+            parts.append("No rows in the inputs: the GPU grid is `source scripts/device_setup.sh "
+                         "&& bash scripts/gpu_bench_all.sh` (README, \"The benchmarks and the "
+                         "report\").")
             continue
         parts += ["Targets:", ""] + target_lines(groups, benchmark)
         parts += ["", "Geometric means of t_baseline / t_on" + (
