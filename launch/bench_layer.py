@@ -620,6 +620,14 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
         for shape in shapes:
             torch.manual_seed(run.seed)
             layers, skipped = build_layers(shape, run, tp, ep, device)
+            if "off-te" in layers:  # never run by us (no TE anywhere): probe it first
+                probe = make_input(shape, run, tp, ranks, run.seq_lengths[0], device)
+                try:
+                    with torch.inference_mode():
+                        layers["off-te"](probe)
+                except Exception as err:  # noqa: BLE001 - recorded as a skip, not fatal
+                    skipped["off-te"] = f"TEGroupedMLP forward failed: {type(err).__name__}: {err}"
+                    del layers["off-te"]
             for variant, reason in skipped.items():
                 if rank0 and (variant, reason) not in printed_skips:
                     printed_skips.add((variant, reason))
