@@ -224,7 +224,10 @@ def workload_table(groups: dict, benchmark: str) -> str:
     lines = []
     for (model, layout, layers, seq, backend), g in groups.items():
         on = g.get("on")
-        cells = [model, layout] + ([str(layers)] if benchmark == "prefill" else [])
+        any_row = next(iter(g.values()))
+        moe = any_row.get("fused_moe_layers")
+        layer_text = f"{layers} ({moe} MoE)" if moe is not None else str(layers)
+        cells = [model, layout] + ([layer_text] if benchmark == "prefill" else [])
         cells += [str(seq), _fmt(on["ms_p50"] if on else None, ".3f")]
         cells += [_fmt(g[b]["ms_p50"] if b in g else None, ".3f") for b in bases]
         cells += [_fmt(speedup(g, b), ".3f") for b in bases]

@@ -280,7 +280,7 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
     report = tmp_path / "report.md"
     assert make_report.main([str(out), "--out", str(report), "--include-cpu", "--no-plots"]) == 0
     text = report.read_text()
-    assert "| tiny | tp1/ep1/dp1/sp0 | 1 | 32 |" in text and "off-grouped / on" in text
+    assert "| tiny | tp1/ep1/dp1/sp0 | 1 (1 MoE) | 32 |" in text and "off-grouped / on" in text
 
 
 def test_num_moe_layers_keeps_leading_dense_layers():
