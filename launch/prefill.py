@@ -1,22 +1,30 @@
 """Full-model prefill of a Megatron-Core `GPTModel`: `moe_gatherrs_overlap` off vs on.
 
-Builds two models with identical weights in one process group and times forward-only prefill
-of both, alternating, on the same inputs (DESIGN.md section 5, "full-model prefill"):
+Builds, per model, GPT models with identical weights in one process group and times
+forward-only prefill of all of them, alternating, on the same inputs (DESIGN.md section 5,
+"full-model prefill"):
 
-* flag off: Megatron's stock spec (`megatron.core.models.gpt.gpt_layer_specs.
+* "off" (always): Megatron's stock spec (`megatron.core.models.gpt.gpt_layer_specs.
   get_gpt_decoder_block_spec(config, use_transformer_engine=HAVE_TE)`) with a
-  `GatherRSTransformerConfig(moe_gatherrs_overlap=False)`: Megatron's alltoall dispatcher;
-* flag on: `megatron_overlap.megatron.specs.get_gpt_decoder_block_spec(config)` with
-  `moe_gatherrs_overlap=True`; its weights are the flag-off model's, loaded with
-  `load_state_dict(strict=True)` (the parameter names are identical by design, so a strict
-  load succeeding is the checkpoint-compatibility check).
+  `GatherRSTransformerConfig(moe_gatherrs_overlap=False)`: Megatron's alltoall dispatcher and
+  (without Transformer Engine) `SequentialMLP` experts;
+* "off-grouped" (`--baselines off off-grouped`): the same spec with
+  `megatron_overlap.bench.baselines.GroupedGEMMSequentialMLP` experts (FC1 and FC2 as torch
+  grouped GEMMs), so the flag is not only compared with a per-expert loop;
+* "on": `megatron_overlap.megatron.specs.get_gpt_decoder_block_spec(config)` with
+  `moe_gatherrs_overlap=True`.
+Every model after "off" loads its weights with `load_state_dict(strict=True)` (the
+parameter names are identical by design, so a strict load succeeding is the
+checkpoint-compatibility check).
 
-For each sequence length it warms both models up, times `--iters` forwards of each
-alternating off, on, off, on, ... (so drift hits both), then checks that they agree: the
-first MoE layer's output (its input is identical in both models) and the logits, against an
-fp32 copy of the flag-off model in bf16 runs (see `judge`, `TOLERANCE`). Rank 0 prints a
-table and appends one JSON row per (model, layout, seq, variant) to `--out`. Exit status 1
-when flag on and off disagree, 2 on bad arguments.
+For each sequence length it warms every model up, times `--iters` forwards of each
+alternating off, on, off-grouped, off, on, ... (so drift hits all), then checks that each
+agrees with "off": the first MoE layer's output (its input is identical in all models) and
+the logits, against an fp32 copy of the flag-off model in bf16 runs (see `judge`,
+`TOLERANCE`). Rank 0 prints a table and appends one JSON row per (model, layout, seq,
+variant) to `--out` after each model (so a run cut short keeps the finished models). Row
+fields: `megatron_overlap.bench.make_report` (the schema) and `make_rows` here. Exit status
+1 when a variant disagrees with "off", 2 on bad arguments.
 
 Usage::
 
@@ -25,6 +33,10 @@ Usage::
     # GPU (docs/gpu.md):
     source scripts/device_setup.sh && torchrun --nproc_per_node 2 launch/prefill.py \\
         --model mixtral-8x7b --num-layers 2 --seq-lengths 4096 --tp 1 --ep 2
+    # several models, 2 MoE layers each (plus their leading dense layers), both baselines:
+    source scripts/device_setup.sh && torchrun --nproc_per_node 2 launch/prefill.py \\
+        --model qwen3-30b-a3b deepseek-v2-lite --num-moe-layers 2 --attention sdpa \\
+        --seq-lengths 4096 8192 16384 32768 --baselines off off-grouped --tp 1 --ep 2
 
 Shape symbols: B micro-batch, S sequence length, V vocabulary (padded), V_tp = V / TP.
 """
@@ -34,16 +46,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +64,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without `pip install`
 
+from megatron_overlap.bench.measure import (  # after the sys.path line
+    Timer,
+    allocated_bytes,
+    append_rows,
+    arm_stack_dumps,
+    environment,
+    max_error,
+    own_peak,
+    param_bytes,
+    percentile,
+    reduce_max,
+    symm_workspace_bytes,
+)
+
 SCHEMA = "megatron_overlap.prefill/1"
 """`schema` field of every JSON row; bump when a field changes meaning."""
 
@@ -63,6 +85,8 @@ DEFAULT_OUT = "results/prefill.jsonl"
 ATTENTIONS = ("local", "sdpa")
 CPU_DEFAULTS = {"model": "tiny", "seq_lengths": [64, 128]}
 GPU_DEFAULTS = {"model": "mixtral-8x7b", "seq_lengths": [4096]}
+VARIANTS = ("off", "on", "off-grouped")
+"""Models per run, in timing order: "off" and "on" always, "off-grouped" with `--baselines`."""
 
 TOLERANCE = {
     # fp32 (CPU default): both paths do the same math; only the order of the top-k and TP/EP
@@ -163,15 +187,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model",
+        nargs="+",
         default=None,
-        help="name in configs/models or a YAML path (default: tiny on CPU, mixtral-8x7b on GPU)",
+        help="names in configs/models or YAML paths, run one after another in one process "
+        "(default: tiny on CPU, mixtral-8x7b on GPU)",
     )
-    parser.add_argument(
+    layers = parser.add_mutually_exclusive_group()
+    layers.add_argument(
         "--num-layers",
         type=_positive_int,
         default=None,
         help="build this many layers instead of the model's (>= 1, and more "
         "than the model's leading dense layers)",
+    )
+    layers.add_argument(
+        "--num-moe-layers",
+        type=_positive_int,
+        default=None,
+        help="build each model's leading dense layers (DeepSeek-V2-Lite: 1) plus this many "
+        "MoE layers, so every model gets the same number of MoE layers",
+    )
+    parser.add_argument(
+        "--baselines",
+        nargs="+",
+        choices=("off", "off-grouped"),
+        default=["off"],
+        help="flag-off models to time against flag on: 'off' = Megatron's stock spec "
+        "(always built: the weights and the agreement checks come from it), 'off-grouped' = "
+        "the same with GroupedGEMMSequentialMLP experts (default: off)",
     )
     parser.add_argument(
         "--seq-lengths",
@@ -267,8 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
 class RunConfig:
     """The checked command line plus what follows from it and the environment."""
 
-    model: str
+    models: tuple[str, ...]
     num_layers: int | None
+    num_moe_layers: int | None
+    baselines: tuple[str, ...]
     seq_lengths: tuple[int, ...]
     micro_batch_size: int
     tp: int
@@ -316,8 +361,10 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         raise ValueError("--sequence-parallel needs --tp > 1 (got --tp 1)")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     return RunConfig(
-        model=args.model or defaults["model"],
+        models=tuple(args.model or [defaults["model"]]),
         num_layers=args.num_layers,
+        num_moe_layers=args.num_moe_layers,
+        baselines=tuple(dict.fromkeys(["off", *args.baselines])),
         seq_lengths=tuple(args.seq_lengths or defaults["seq_lengths"]),
         micro_batch_size=args.micro_batch_size,
         tp=args.tp,
@@ -367,6 +414,22 @@ def check_shape(shape: Any, run: RunConfig) -> None:
                 f"--seq-lengths {seq}: longer than {shape.name}.max_position_embeddings="
                 f"{shape.max_position_embeddings}"
             )
+
+
+def num_layers_for(shape: Any, run: RunConfig) -> int:
+    """Layers to build for `shape`: `--num-layers`, else the model's leading dense layers +
+    `--num-moe-layers`, else the model's own count.
+
+    Raises:
+        ValueError: not more layers than the model's leading dense layers (see
+            `megatron_overlap.models.transformer_config_kwargs`).
+    """
+    from megatron_overlap.models import transformer_config_kwargs
+
+    layers = run.num_layers
+    if layers is None and run.num_moe_layers is not None:
+        layers = shape.first_k_dense_layers + run.num_moe_layers
+    return transformer_config_kwargs(shape, num_layers=layers)["num_layers"]
 
 
 # --------------------------------------------------------------------------------------
@@ -486,7 +549,7 @@ def build_config(shape: Any, run: RunConfig, *, flag: bool, dtype: str, initiali
 
     bf16 = dtype == "bf16"
     return GatherRSTransformerConfig(
-        **transformer_config_kwargs(shape, num_layers=run.num_layers),
+        **transformer_config_kwargs(shape, num_layers=num_layers_for(shape, run)),
         tensor_model_parallel_size=run.tp,
         expert_model_parallel_size=run.ep,
         expert_tensor_parallel_size=run.tp,
@@ -588,11 +651,14 @@ def with_core_attention(block_spec: Any, core_attention: type) -> Any:
     return dataclasses.replace(block_spec, layer_specs=layers)
 
 
-def build_gpt(shape: Any, run: RunConfig, *, flag: bool, dtype: str, initialize: bool):
-    """One `GPTModel`: Megatron's stock block spec (flag off) or ours (flag on).
+def build_gpt(
+    shape: Any, run: RunConfig, *, flag: bool, dtype: str, initialize: bool, baseline: str = "off"
+):
+    """One `GPTModel`: Megatron's stock block spec (flag off), ours (flag on), or with
+    `baseline="off-grouped"` Megatron's local spec with `GroupedGEMMSequentialMLP` experts.
 
-    Both use `use_transformer_engine=HAVE_TE` (the local spec on machines without TE), and
-    `--attention sdpa` swaps the core attention of both (`with_core_attention`).
+    Stock and ours use `use_transformer_engine=HAVE_TE` (the local spec on machines without
+    TE), and `--attention sdpa` swaps the core attention of all (`with_core_attention`).
     """
     from megatron.core.extensions.transformer_engine import HAVE_TE
     from megatron.core.models.gpt import GPTModel
@@ -602,8 +668,15 @@ def build_gpt(shape: Any, run: RunConfig, *, flag: bool, dtype: str, initialize:
     from megatron_overlap.models import gpt_model_kwargs
 
     config = build_config(shape, run, flag=flag, dtype=dtype, initialize=initialize)
-    make_spec = specs.get_gpt_decoder_block_spec if flag else mc_specs.get_gpt_decoder_block_spec
-    spec = make_spec(config, use_transformer_engine=HAVE_TE)
+    if baseline == "off-grouped" and not flag:
+        from megatron_overlap.bench.baselines import gpt_block_spec
+
+        spec = gpt_block_spec("off-grouped", config)
+    else:
+        make_spec = (
+            specs.get_gpt_decoder_block_spec if flag else mc_specs.get_gpt_decoder_block_spec
+        )
+        spec = make_spec(config, use_transformer_engine=HAVE_TE)
     if run.attention == "sdpa":
         spec = with_core_attention(spec, sdpa_core_attention())
     kwargs = gpt_model_kwargs(shape)
@@ -649,14 +722,15 @@ def redraw_cpu_experts(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_models(shape: Any, run: RunConfig, device: torch.device) -> tuple[dict, int]:
-    """The flag-off and flag-on `GPTModel`s with identical weights, in eval mode.
+    """The `GPTModel` of every variant (`VARIANTS`: "off", "on", and the extra
+    `--baselines`) with identical weights, in eval mode.
 
     Returns:
-        ({"off": model, "on": model}, number of MoE layers of the flag-on model on the fused
-        path).
+        ({variant: model} in timing order, number of MoE layers of the flag-on model on the
+        fused path).
 
     Raises:
-        RuntimeError: the strict state-dict load fails (`copy_weights`), or the flag-on model
+        RuntimeError: a strict state-dict load fails (`copy_weights`), or the flag-on model
             has no MoE layer on the fused path.
     """
     from megatron_overlap.megatron import GatherRSMoELayer
@@ -664,12 +738,21 @@ def build_models(shape: Any, run: RunConfig, device: torch.device) -> tuple[dict
     model_off = build_gpt(shape, run, flag=False, dtype=run.dtype, initialize=True)
     if run.device == "cpu":
         redraw_cpu_experts(model_off, run.seed)
-    model_on = build_gpt(shape, run, flag=True, dtype=run.dtype, initialize=False)
-    copy_weights(model_off, model_on, "the flag-on model")
-    fused = [m for m in model_on.modules() if isinstance(m, GatherRSMoELayer) and m.gatherrs]
+    models = {"off": to_device(model_off, device)}
+    for variant in VARIANTS[1:]:
+        if variant != "on" and variant not in run.baselines:
+            continue
+        model = build_gpt(
+            shape, run, flag=variant == "on", dtype=run.dtype, initialize=False, baseline=variant
+        )
+        copy_weights(model_off, model, f"the {variant} model")
+        models[variant] = to_device(model, device)
+    fused = [
+        m for m in models["on"].modules() if isinstance(m, GatherRSMoELayer) and m.gatherrs
+    ]
     if not fused:
         raise RuntimeError("flag-on model has no MoE layer on the fused path")
-    return {"off": to_device(model_off, device), "on": to_device(model_on, device)}, len(fused)
+    return models, len(fused)
 
 
 def build_reference(
@@ -743,93 +826,15 @@ def make_inputs(shape: Any, run: RunConfig, ranks: Ranks, seq: int, device: torc
     return tokens.to(device), positions.contiguous().to(device)
 
 
-def _sync(device: torch.device) -> None:
-    """All ranks line up, and on CUDA the queued work is finished."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.all_reduce(torch.zeros(1, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor):
     """Prefill logits [B, S, V_tp] (vocab-parallel shard; causal mask built by Megatron)."""
     return model(tokens, positions, attention_mask=None)
 
 
-class Timer:
-    """Times one forward per `measure` call: CUDA events on GPU, perf_counter on CPU.
-
-    Every measured forward starts after all ranks line up (`_sync`). Also records peak GPU
-    memory (`torch.cuda.max_memory_allocated`, reset before the forward), in bytes.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._pending: list[tuple[Any, Any]] = []
-        self.cpu_ms: list[float] = []
-        self.peak_bytes = 0
-
-    def measure(self, fn) -> None:
-        """Run `fn()` once, timed; its output is dropped."""
-        _sync(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            self._pending.append((start, end))
-            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            self.cpu_ms.append((time.perf_counter() - t0) * 1e3)
-
-    def times_ms(self) -> list[float]:
-        """This rank's per-forward times in ms (waits for the GPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return [s.elapsed_time(e) for s, e in self._pending]
-        return list(self.cpu_ms)
-
-
-def reduce_max(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise max over all ranks (a forward takes as long as its slowest rank)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated q-th percentile (q in [0, 100]) of a non-empty list."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def max_error(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    """max|out - ref|, max|ref| and their ratio over all ranks, and NaN/Inf count in either.
-
-    Args:
-        out, ref: this rank's part of two results of the same computation, any equal shape.
-    """
-    out, ref = out.float(), ref.float()
-    diff = (out - ref).abs().nan_to_num(nan=float("inf"))
-    maxima = torch.stack([diff.max(), ref.abs().max()]).double()
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-    nonfinite = (~torch.isfinite(out)).sum().double() + (~torch.isfinite(ref)).sum().double()
-    dist.all_reduce(nonfinite)
-    max_abs_diff, max_abs_ref = maxima.tolist()
-    return {
-        "max_abs_diff": max_abs_diff,
-        "max_abs_ref": max_abs_ref,
-        "max_rel_diff": max_abs_diff / max_abs_ref if max_abs_ref > 0 else float("inf"),
-        "nonfinite": int(nonfinite.item()),
-    }
+LOGITS_CHUNK_TOKENS = 1024
+"""`logits_error` compares this many sequence positions at a time: its fp32 temporaries stay
+at ~4 * B * 1024 * V_tp * 4 bytes (2.5 GB for Qwen's 151936-token vocabulary) however long
+the sequence."""
 
 
 def logits_error(out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> dict:
@@ -843,21 +848,44 @@ def logits_error(out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> dict
         `max_error`'s fields, rel_fro_diff (||out - ref||_F / ||ref||_F over all tokens and
         the whole vocabulary), tokens_over_tol (tokens whose largest |out - ref| over the
         vocabulary exceeds tolerance * max_abs_ref) and tokens (global tokens compared).
+        Computed `LOGITS_CHUNK_TOKENS` positions at a time (memory), in fp32/fp64.
+
+    Raises:
+        ValueError: the shapes differ or are not [B, S, V_tp].
     """
     from megatron.core import parallel_state as ps
 
-    result = max_error(out, ref)
-    diff = (out.float() - ref.float()).abs().nan_to_num(nan=float("inf"))
-    token_diff = diff.amax(dim=-1)  # [B, S] over this vocabulary shard
+    if out.shape != ref.shape or out.dim() != 3:
+        raise ValueError(f"logits must be equal [B, S, V_tp]; got {tuple(out.shape)} and "
+                         f"{tuple(ref.shape)}")
+    device = out.device
+    maxima = torch.zeros(2, dtype=torch.float64, device=device)  # max|diff|, max|ref|
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # sq diff, sq ref, over, tokens
+    nonfinite = torch.zeros((), dtype=torch.float64, device=device)
+    token_diff = torch.empty(out.shape[:2], dtype=torch.float32, device=device)  # [B, S]
+    for start in range(0, out.shape[1], LOGITS_CHUNK_TOKENS):
+        part = slice(start, start + LOGITS_CHUNK_TOKENS)
+        o, r = out[:, part].float(), ref[:, part].float()
+        diff = (o - r).abs().nan_to_num(nan=float("inf"))
+        token_diff[:, part] = diff.amax(dim=-1)
+        maxima = torch.maximum(maxima, torch.stack([diff.max(), r.abs().max()]).double())
+        nonfinite += (~torch.isfinite(o)).sum() + (~torch.isfinite(r)).sum()
+        sums[0] += diff.square().sum(dtype=torch.float64)
+        sums[1] += r.square().sum(dtype=torch.float64)
+        del o, r, diff
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    dist.all_reduce(nonfinite)
+    max_abs_diff, max_abs_ref = maxima.tolist()
+    result = {
+        "max_abs_diff": max_abs_diff,
+        "max_abs_ref": max_abs_ref,
+        "max_rel_diff": max_abs_diff / max_abs_ref if max_abs_ref > 0 else float("inf"),
+        "nonfinite": int(nonfinite.item()),
+    }
+    # The largest difference of a token over the whole vocabulary (all TP shards).
     dist.all_reduce(token_diff, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    sums = torch.stack(
-        [
-            diff.square().sum(dtype=torch.float64),
-            ref.float().square().sum(dtype=torch.float64),
-            (token_diff > tolerance * result["max_abs_ref"]).sum().double(),
-            torch.tensor(float(token_diff.numel()), dtype=torch.float64, device=diff.device),
-        ]
-    )
+    sums[2] = (token_diff > tolerance * max_abs_ref).sum().double()
+    sums[3] = float(token_diff.numel())
     dist.all_reduce(sums)  # vocabulary shards and DP ranks are disjoint ...
     tp = ps.get_tensor_model_parallel_world_size()  # ... but TP ranks share their tokens
     result["rel_fro_diff"] = (sums[0] / sums[1]).sqrt().item() if sums[1] > 0 else float("inf")
@@ -917,25 +945,34 @@ def first_moe_output(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 def check_seq(
     models: dict, reference: torch.nn.Module | None, run: RunConfig, inputs: tuple
 ) -> dict:
-    """Errors on one input (see `judge`): "moe1_on_vs_off" (first MoE layer output),
-    "on_vs_off" (logits), and with a reference "off_vs_ref" and "on_vs_ref" (else None)."""
+    """Errors of every variant against "off" on one input (see `judge`).
+
+    Returns:
+        {variant: errors} for every variant but "off", errors = {"moe1_on_vs_off" (first MoE
+        layer output), "on_vs_off" (logits), "off_vs_ref" and "on_vs_ref" (logits against the
+        fp32 reference; None without it)}, where "on" stands for the variant. The variants'
+        logits are made and compared one at a time (memory).
+    """
     tokens, positions = inputs
     tolerance = TOLERANCE[run.dtype]
-    logits, moe1 = {}, {}
+    with first_moe_output(models["off"]) as captured:
+        logits_off = forward(models["off"], tokens, positions)
+    moe1_off = captured[0]
+    ref = forward(reference, tokens, positions) if reference is not None else None
+    off_vs_ref = logits_error(logits_off, ref, tolerance) if ref is not None else None
+    errors = {}
     for name, model in models.items():
+        if name == "off":
+            continue
         with first_moe_output(model) as captured:
-            logits[name] = forward(model, tokens, positions)
-        moe1[name] = captured[0]
-    errors = {
-        "moe1_on_vs_off": max_error(moe1["on"], moe1["off"]),
-        "on_vs_off": logits_error(logits["on"], logits["off"], tolerance),
-        "off_vs_ref": None,
-        "on_vs_ref": None,
-    }
-    if reference is not None:
-        ref = forward(reference, tokens, positions)
-        errors["off_vs_ref"] = logits_error(logits["off"], ref, tolerance)
-        errors["on_vs_ref"] = logits_error(logits["on"], ref, tolerance)
+            logits = forward(model, tokens, positions)
+        errors[name] = {
+            "moe1_on_vs_off": max_error(captured[0], moe1_off),
+            "on_vs_off": logits_error(logits, logits_off, tolerance),
+            "off_vs_ref": off_vs_ref,
+            "on_vs_ref": logits_error(logits, ref, tolerance) if ref is not None else None,
+        }
+        del logits
     return errors
 
 
@@ -952,11 +989,15 @@ def time_seq(
     device: torch.device,
     progress: Any,
 ) -> dict:
-    """Warm up, then time alternating forwards (off, on, off, on, ...) on the same inputs.
+    """Warm up, then time alternating forwards (off, on, off-grouped, off, on, ...) on the
+    same inputs.
 
     Returns:
-        {"ms": {variant: per-forward ms, max over ranks}, "peak_bytes": {variant: max over
-        ranks and forwards}, "fused_calls": fused-op launches during the timed forwards}.
+        {"ms": {variant: per-forward ms, max over ranks}, and per variant, max over ranks, in
+        bytes (`megatron_overlap.bench.measure`; None on CPU): "peak_bytes" (absolute),
+        "fwd_extra_bytes", "persistent_bytes" (allocated across the variant's first warm-up
+        forward of this sequence length; None without warm-up), "symm_workspace_bytes"
+        (flag on only); "fused_calls": fused-op launches during the timed forwards}.
 
     Raises:
         RuntimeError: the flag-on model did not launch the fused op once per fused MoE layer
@@ -964,9 +1005,13 @@ def time_seq(
     """
     tokens, positions = inputs
     timers = {name: Timer(device) for name in models}
-    for _ in range(run.warmup):
-        for model in models.values():
+    persistent = {name: None for name in models}
+    for i in range(run.warmup):
+        for name, model in models.items():
+            before = allocated_bytes(device)
             forward(model, tokens, positions)
+            if i == 0:
+                persistent[name] = max(0, allocated_bytes(device) - before)
             progress.update(1)
     calls_before = fused_forward_count(models["on"])
     for _ in range(run.iters):
@@ -980,11 +1025,23 @@ def time_seq(
             f"the flag-on model launched the fused op {fused_calls} times in {run.iters} "
             f"forwards of {fused_layers} fused MoE layers; expected {expected}"
         )
+
+    def rank_max(values: dict) -> dict:
+        if device.type != "cuda":
+            return {name: None for name in values}
+        names = [n for n, v in values.items() if v is not None]
+        maxima = reduce_max([float(values[n]) for n in names], device) if names else []
+        out = {name: None for name in values}
+        out.update({n: int(v) for n, v in zip(names, maxima)})
+        return out
+
+    symm = symm_workspace_bytes() if device.type == "cuda" else 0
     return {
         "ms": {name: reduce_max(timer.times_ms(), device) for name, timer in timers.items()},
-        "peak_bytes": {
-            name: reduce_max([float(t.peak_bytes)], device)[0] for name, t in timers.items()
-        },
+        "peak_bytes": rank_max({name: t.peak_bytes for name, t in timers.items()}),
+        "fwd_extra_bytes": rank_max({name: t.fwd_extra_bytes for name, t in timers.items()}),
+        "persistent_bytes": rank_max(persistent),
+        "symm_workspace_bytes": rank_max({n: (symm if n == "on" else 0) for n in models}),
         "fused_calls": fused_calls,
     }
 
@@ -994,63 +1051,69 @@ def time_seq(
 # --------------------------------------------------------------------------------------
 
 
-def _version(module: str) -> str | None:
-    try:
-        return getattr(__import__(module), "__version__", "unknown")
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
-
-
-def git_sha() -> str:
-    """`git rev-parse HEAD` of the checkout, "unknown" without git or a .git."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def environment(device: torch.device) -> dict:
-    """Fields common to every row: hardware, versions, git sha, timestamp."""
-    import megatron.core
-
-    return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "host": platform.node(),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "megatron_core": getattr(megatron.core, "__version__", "unknown"),
-        "megatron_overlap": _version("megatron_overlap"),
-        "git_sha": git_sha(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def layout_name(run: RunConfig) -> str:
     """E.g. "tp2/ep1/dp1/sp1"."""
     return f"tp{run.tp}/ep{run.ep}/dp{run.dp}/sp{int(run.sequence_parallel)}"
 
 
-def make_rows(timing: dict, errors: dict, seq: int, info: dict, run: RunConfig) -> list[dict]:
-    """One JSON row per variant ("off", "on") of one sequence length.
+def variant_details(models: dict, backend: str) -> dict:
+    """{variant: {"label": exact description (`megatron_overlap.bench.baselines.label`),
+    "experts_impl": what the first MoE layer's experts ran in the last forward,
+    "param_bytes": the model's parameters and buffers on this rank}}."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_overlap.bench.baselines import label
+
+    details = {}
+    for name, model in models.items():
+        layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+        experts = layer.experts
+        if name == "on":
+            plan = layer.token_dispatcher.plan
+            plan_text = "-" if plan is None else f"{plan.num_comm_ctas} comm CTAs ({plan.source})"
+            impl = f"{experts.last_fc1}; FC2 weights {experts.last_fc2_weight}"
+            text = label("on", fc1=experts.last_fc1, fc2_weight=experts.last_fc2_weight,
+                         backend=backend, plan=plan_text)
+        elif name == "off-grouped":
+            impl = experts.last_impl
+            text = label(name, impl=impl)
+        else:
+            impl = f"{type(experts).__name__} (Megatron's)"
+            text = label("off")
+            if type(experts).__name__ != "SequentialMLP":  # Transformer Engine spec
+                text = f"Megatron-Core alltoall dispatcher + {type(experts).__name__} (TE spec)"
+        details[name] = {"label": text, "experts_impl": impl, "param_bytes": param_bytes(model)}
+    return details
+
+
+def make_rows(
+    timing: dict, errors: dict, seq: int, info: dict, run: RunConfig, details: dict
+) -> list[dict]:
+    """One JSON row per variant ("off", "on", ...) of one sequence length.
 
     Args:
         timing: `time_seq` result; errors: `check_seq` result.
         info: fields common to the run (`environment()` plus model, layers, backend, ...).
+        details: `variant_details` result.
     """
     tokens = seq * run.micro_batch_size * run.dp
     p50 = {name: percentile(ms, 50) for name, ms in timing["ms"].items()}
-    agree, criterion = judge(errors, run.dtype)
+    cuda = run.device == "cuda"
     rows = []
     for name, ms in timing["ms"].items():
         on = name == "on"
+        own = errors["on"] if name == "off" else errors[name]  # "off" reports on vs off
+        agree, criterion = judge(own, run.dtype)
+        memory = {
+            key: timing[key][name]
+            for key in ("persistent_bytes", "symm_workspace_bytes", "fwd_extra_bytes")
+        }
+        memory["param_bytes"] = details[name]["param_bytes"]
+        own_peak_bytes = None
+        if cuda:
+            own_peak_bytes = own_peak(
+                memory["param_bytes"], memory["symm_workspace_bytes"], memory["fwd_extra_bytes"]
+            )
         rows.append(
             {
                 "schema": SCHEMA,
@@ -1059,6 +1122,8 @@ def make_rows(timing: dict, errors: dict, seq: int, info: dict, run: RunConfig) 
                 "seq_length": seq,
                 "global_tokens": tokens,
                 "variant": name,
+                "label": details[name]["label"],
+                "experts_impl": details[name]["experts_impl"],
                 "moe_gatherrs_overlap": on,
                 "backend": info["backend"] if on else "megatron-alltoall",
                 "fused_calls": timing["fused_calls"] if on else 0,
@@ -1069,11 +1134,13 @@ def make_rows(timing: dict, errors: dict, seq: int, info: dict, run: RunConfig) 
                 "ms_all": ms,
                 "tokens_per_s": tokens / (p50[name] / 1e3),
                 "speedup_off_over_on": p50["off"] / p50["on"],
-                "peak_mem_gib": timing["peak_bytes"][name] / 2**30
-                if run.device == "cuda"
-                else None,
-                "max_rel_diff": errors["on_vs_off"]["max_rel_diff"],
-                "errors": errors,
+                "speedup_over_on": p50[name] / p50["on"],
+                "peak_mem_gib": timing["peak_bytes"][name] / 2**30 if cuda else None,
+                "peak_abs_bytes": timing["peak_bytes"][name],
+                **memory,
+                "own_peak_bytes": own_peak_bytes,
+                "max_rel_diff": own["on_vs_off"]["max_rel_diff"],
+                "errors": own,
                 "tolerance": TOLERANCE[run.dtype],
                 "criterion": criterion,
                 "agree": agree,
@@ -1083,9 +1150,12 @@ def make_rows(timing: dict, errors: dict, seq: int, info: dict, run: RunConfig) 
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown table, one line per (model, layout, seq): off and on side by side.
+    """Markdown table, one line per (model, layout, seq): off and on side by side, then
+    off-grouped where it ran.
 
-    `fro vs fp32` = relative Frobenius error of off / on against the fp32 reference (bf16).
+    `fro vs fp32` = relative Frobenius error of off / on against the fp32 reference (bf16);
+    `peak GiB` = absolute `max_memory_allocated` (every model resident); `own peak` = the
+    variant's own peak (`megatron_overlap.bench.measure`), on's extra over off in %.
     """
     header = [
         "model",
@@ -1102,6 +1172,10 @@ def format_table(rows: list[dict]) -> str:
         "fro vs fp32 off/on",
         "agree",
         "peak GiB off/on",
+        "own peak GiB off/on (+%)",
+        "ms off-grouped",
+        "t_grouped/t_on",
+        "grouped agrees",
     ]
     pairs: dict[tuple, dict] = {}
     for row in rows:
@@ -1117,9 +1191,14 @@ def format_table(rows: list[dict]) -> str:
                 f"{errors['off_vs_ref']['rel_fro_diff']:.1e}/"
                 f"{errors['on_vs_ref']['rel_fro_diff']:.1e}"
             )
-        peak = "-"
+        peak = own = "-"
         if off["peak_mem_gib"] is not None:
             peak = f"{off['peak_mem_gib']:.2f}/{on['peak_mem_gib']:.2f}"
+        if off.get("own_peak_bytes") and on.get("own_peak_bytes"):
+            extra = 100.0 * (on["own_peak_bytes"] / off["own_peak_bytes"] - 1.0)
+            own = (f"{off['own_peak_bytes'] / 2**30:.2f}/{on['own_peak_bytes'] / 2**30:.2f} "
+                   f"({extra:+.1f}%)")
+        grouped = pair.get("off-grouped")
         cells = [
             off["model"],
             str(off["num_layers"]),
@@ -1135,18 +1214,13 @@ def format_table(rows: list[dict]) -> str:
             fro,
             "yes" if off["agree"] else "NO",
             peak,
+            own,
+            f"{grouped['ms_p50']:.2f}" if grouped else "-",
+            f"{grouped['speedup_over_on']:.3f}" if grouped else "-",
+            ("yes" if grouped["agree"] else "NO") if grouped else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def append_rows(path: str, rows: list[dict]) -> None:
-    """Append JSON lines to `path` (parent folders created)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
 
 
 class _NoProgress:
@@ -1214,22 +1288,63 @@ def choose_reference(run: RunConfig, models: dict, timings: dict, device: torch.
     return "fp32"
 
 
-def benchmark(run: RunConfig, shape: Any, device: torch.device) -> int:
-    """Build, time and compare the models for every sequence length; return the exit status.
+def reseed(run: RunConfig) -> None:
+    """Seed the RNGs as `init_megatron` does, so every model of a run starts from the same
+    generator state (a model's weights do not depend on which models ran before it)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    Timing first (only the flag-off and flag-on models resident, so the peak memory is
-    theirs), then the agreement checks (with the fp32 reference model, built only then).
-    """
-    from megatron_overlap.models import transformer_config_kwargs
+    torch.manual_seed(run.seed)
+    if run.device == "cpu":
+        model_parallel_cuda_manual_seed(run.seed, inference_rng_tracker=True, force_reset_rng=True)
+    else:
+        model_parallel_cuda_manual_seed(run.seed)
 
-    num_layers = transformer_config_kwargs(shape, num_layers=run.num_layers)["num_layers"]
+
+def release_memory(device: torch.device) -> None:
+    """Between models: free the fused op's workspaces (collective) and cached GPU memory."""
+    import gc
+
+    from megatron_overlap.symm import destroy_workspaces
+
+    gc.collect()
+    destroy_workspaces()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
+    """Every model in turn (`benchmark_model`); rank 0 reports and writes each model's rows
+    as soon as they are made. Returns the exit status (0 all agree, 1 otherwise)."""
     ranks = init_megatron(run)
     is_rank0 = ranks.rank == 0
     if is_rank0 and run.out:
         append_rows(run.out, [])  # an unwritable --out fails now, not after the benchmark
+    status = 0
+    for index, shape in enumerate(shapes):
+        if index:
+            reseed(run)
+        rows = benchmark_model(run, shape, ranks, device)
+        if is_rank0:
+            report(rows, run, next(row for row in rows if row["variant"] == "on"))
+        if not all(row["agree"] for row in rows):
+            status = 1
+        release_memory(device)
+    return status
+
+
+def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.device) -> list:
+    """Build, time and compare one model's variants at every sequence length; its rows.
+
+    Timing first (only the timed models resident, so the peak memory is theirs), then the
+    agreement checks (with the fp32 reference model, built only then).
+    """
+    num_layers = num_layers_for(shape, run)
     models, fused_layers = build_models(shape, run, device)
     backend = resolved_backend(run, models["on"])
-    progress = make_progress(len(run.seq_lengths) * 2 * (run.warmup + run.iters), is_rank0)
+    progress = make_progress(
+        len(run.seq_lengths) * len(models) * (run.warmup + run.iters), ranks.rank == 0
+    )
     inputs = {seq: make_inputs(shape, run, ranks, seq, device) for seq in run.seq_lengths}
     with torch.inference_mode():
         timings = {
@@ -1237,6 +1352,7 @@ def benchmark(run: RunConfig, shape: Any, device: torch.device) -> int:
             for seq in run.seq_lengths
         }
     progress.close()
+    details = variant_details(models, backend)
     reference_used = choose_reference(run, models, timings, device)
     reference = None
     if reference_used == "fp32":
@@ -1246,6 +1362,7 @@ def benchmark(run: RunConfig, shape: Any, device: torch.device) -> int:
     info = {
         "model": shape.name,
         "num_layers": num_layers,
+        "num_dense_layers": min(shape.first_k_dense_layers, num_layers),
         "layout": layout_name(run),
         "world_size": run.world_size,
         "tp": run.tp,
@@ -1259,25 +1376,25 @@ def benchmark(run: RunConfig, shape: Any, device: torch.device) -> int:
         "backend": backend,
         "reference": reference_used,
         "fused_moe_layers": fused_layers,
+        "variants": list(models),
         "warmup": run.warmup,
         "iters": run.iters,
         "seed": run.seed,
         **environment(device),
     }
-    rows = [
+    del models, reference
+    return [
         row
         for seq in run.seq_lengths
-        for row in make_rows(timings[seq], errors[seq], seq, info, run)
+        for row in make_rows(timings[seq], errors[seq], seq, info, run, details)
     ]
-    if is_rank0:
-        report(rows, run, info)
-    return 0 if all(row["agree"] for row in rows) else 1
 
 
 def report(rows: list[dict], run: RunConfig, info: dict) -> None:
     """Rank 0: the table, the JSON rows, and an error line per disagreeing sequence length."""
     print(
-        f"\nprefill: {info['model']}, {info['num_layers']} layers, {info['layout']}, "
+        f"\nprefill: {info['model']}, {info['num_layers']} layers "
+        f"({info['fused_moe_layers']} MoE), {info['layout']}, "
         f"micro-batch {run.micro_batch_size}, {run.dtype} on {info['gpu']}, fused backend "
         f"{info['backend']}, {run.warmup} warm-up + {run.iters} timed forwards each; "
         f"agree: {rows[0]['criterion']}",
@@ -1288,10 +1405,11 @@ def report(rows: list[dict], run: RunConfig, info: dict) -> None:
         append_rows(run.out, rows)
         print(f"appended {len(rows)} rows to {run.out}", flush=True)
     for row in rows:
-        if row["variant"] == "on" and not row["agree"]:
+        if row["variant"] != "off" and not row["agree"]:
             errors = row["errors"]
+            what = "flag on and off" if row["variant"] == "on" else f"{row['variant']} and off"
             print(
-                f"ERROR: flag on and off disagree at seq {row['seq_length']} "
+                f"ERROR: {what} disagree at seq {row['seq_length']} "
                 f"({row['criterion']}): {json.dumps(errors)}",
                 file=sys.stderr,
                 flush=True,
@@ -1317,17 +1435,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ensure_launch_env()
     try:
-        from megatron_overlap.models import load_model_shape, transformer_config_kwargs
+        arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
+        from megatron_overlap.models import load_model_shape
 
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
-        shape = load_model_shape(run.model)
-        transformer_config_kwargs(shape, num_layers=run.num_layers)  # checks --num-layers
-        check_shape(shape, run)
+        shapes = [load_model_shape(name) for name in run.models]
+        for shape in shapes:
+            num_layers_for(shape, run)  # checks --num-layers / --num-moe-layers
+            check_shape(shape, run)
         device = init_process_group(run.device)
     except ValueError as err:
         return _usage_error(parser, str(err))
     try:
-        return benchmark(run, shape, device)
+        return benchmark(run, shapes, device)
     except UsageError as err:
         return _usage_error(parser, str(err))
     finally:

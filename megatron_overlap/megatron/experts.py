@@ -2,47 +2,97 @@
 
 `GatherRSSequentialMLP` *is* Megatron's `SequentialMLP`: same constructor, same parameters,
 same names and shapes (checkpoints load unchanged), and with the flag off `forward` is
-inherited untouched. With the flag on, `GatherRSMoELayer` calls `forward_fc1` and
-`fc2_weight` instead, and the dispatcher runs FC2 inside the fused GEMM2 + GatherRS op.
+inherited untouched and the parameters are not touched. With the flag on, `GatherRSMoELayer`
+calls `forward_fc1` and `fc2_weight` instead, and the dispatcher runs FC2 inside the fused
+GEMM2 + GatherRS op.
+
+Flag on, for speed (see `grouped_experts` for the mechanics and what checkpoints see):
+* at construction (and after every `.to()` / `.cuda()` / `.half()`, which move each
+  parameter separately) the local experts' `linear_fc1.weight`s and `linear_fc2.weight`s
+  are re-homed into one contiguous [L, I, H] and one [L, H, F] storage;
+* `fc2_weight()` then returns a zero-copy [L, H, F] view (strides (H * F, F, 1), which the
+  fused kernel's TMA descriptor over [L * H, F] needs) instead of a `torch.stack` copy
+  (~470 MB per Mixtral-8x7B layer at EP = 2); if something re-pointed the parameters
+  (Megatron's DDP buffer, `load_state_dict(assign=True)`) it falls back to `torch.stack`;
+* `forward_fc1` runs FC1 of all local experts as one grouped GEMM on CUDA, followed by
+  Megatron's own activation code over all rows, instead of one `MLP.forward` per expert
+  (64-128 small GEMMs for the fine-grained models), where `grouped_fc1_unsupported_reason`
+  allows; otherwise Megatron's loop.
+
+Shape symbols: N rows, H hidden, F per-expert FFN width per expert-TP rank, L local experts.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Sequence
-
 import torch
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_overlap.megatron.config import gatherrs_enabled
+from megatron_overlap.megatron.grouped_experts import (
+    grouped_fc1_activation,
+    grouped_fc1_unsupported_reason,
+    mlp_parts_replaced,
+    stack_parameters_,
+    stacked_weights,
+)
 
-class _SkipFC2(torch.nn.Module):
-    """Stands in for `linear_fc2` while FC1 runs: returns its input and no bias."""
-
-    def forward(self, x: torch.Tensor):
-        return x, None
-
-
-@contextlib.contextmanager
-def _fc2_skipped(experts: Sequence[MLP]) -> Iterator[None]:
-    """Within the block, each expert MLP's forward stops before FC2.
-
-    Reusing Megatron's own `MLP.forward` (rather than a copy of its activation code) keeps
-    every activation variant (GLU, bias, clamps, fused kernels, per-token probs) exactly as
-    with the flag off.
-    """
-    saved = [e._modules["linear_fc2"] for e in experts]
-    try:
-        for e in experts:
-            e._modules["linear_fc2"] = _SkipFC2()
-        yield
-    finally:
-        for e, fc2 in zip(experts, saved):
-            e._modules["linear_fc2"] = fc2
+FC1_IMPLS = ("auto", "grouped", "loop")
+"""`GatherRSSequentialMLP.fc1_impl` values: "auto" = grouped on CUDA where supported, else
+Megatron's per-expert loop; "grouped" = grouped wherever supported (any device; for tests
+on CPU); "loop" = always Megatron's loop."""
 
 
 class GatherRSSequentialMLP(SequentialMLP):
-    """`SequentialMLP` that can stop before FC2 (parameters identical to `SequentialMLP`)."""
+    """`SequentialMLP` that can stop before FC2 (parameters identical to `SequentialMLP`).
+
+    Same constructor as `SequentialMLP`. Attributes besides `SequentialMLP`'s:
+        fc1_impl: one of `FC1_IMPLS` (default "auto").
+        stacks_weights: whether the expert weights are kept stacked (flag on).
+        last_fc1: what the last `forward_fc1` ran ("grouped FC1: ...", or "loop: <reason>").
+        last_fc2_weight: how the last `fc2_weight` was made: "view" or "stack".
+    """
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection,
+                         name=name)
+        self.fc1_impl = "auto"
+        self.last_fc1: str | None = None
+        self.last_fc2_weight: str | None = None
+        self.stacks_weights = gatherrs_enabled(config)
+        if self.stacks_weights:
+            self.stack_weights_()
+
+    # ---- weight layout -----------------------------------------------------------------
+
+    def stack_weights_(self) -> None:
+        """Re-home the local experts' FC1 and FC2 weights into one storage each, in place
+        (`grouped_experts.stack_parameters_`; no copy when they are stacked already). Call it
+        again after anything that re-points them, e.g. `load_state_dict(assign=True)`.
+        Experts without weight parameters (`skip_weight_param_allocation`) are left alone."""
+        for name in ("linear_fc1", "linear_fc2"):
+            params = [getattr(e, name).weight for e in self.local_experts]
+            if all(isinstance(p, torch.nn.Parameter) for p in params):
+                stack_parameters_(params)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to()/cuda()/half()/float() convert every parameter on its own, which would
+        # scatter the stacked storage into L allocations: re-stack afterwards.
+        module = super()._apply(fn, recurse)
+        if self.stacks_weights:
+            self.stack_weights_()
+        return module
+
+    # ---- the flag-on forward -----------------------------------------------------------
+
+    def _fc1_loop_reason(self, x: torch.Tensor) -> str | None:
+        """Why forward_fc1 runs Megatron's loop, or None for the grouped GEMM."""
+        if self.fc1_impl not in FC1_IMPLS:
+            raise ValueError(f"fc1_impl={self.fc1_impl!r}; expected one of {FC1_IMPLS}")
+        if self.fc1_impl == "loop":
+            return "fc1_impl='loop'"
+        if self.fc1_impl == "auto" and not x.is_cuda:
+            return f"fc1_impl='auto' takes the grouped GEMM on CUDA only (rows on {x.device})"
+        return grouped_fc1_unsupported_reason(self, x)
 
     def forward_fc1(
         self,
@@ -59,9 +109,21 @@ class GatherRSSequentialMLP(SequentialMLP):
 
         Returns:
             [N, F] intermediate activations (F = moe_ffn_hidden_size / TP), probs applied,
-            in the rows' order: the `h` operand of `gemm2_gatherrs`.
+            in the rows' order: the `h` operand of `gemm2_gatherrs`. One grouped GEMM or
+            Megatron's per-expert loop (see `fc1_impl`, `last_fc1`); the two agree within
+            the GEMMs' rounding.
+
+        Raises:
+            ValueError: `fc1_impl` is not one of `FC1_IMPLS`.
         """
-        with _fc2_skipped(self.local_experts):
+        reason = self._fc1_loop_reason(permuted_local_hidden_states)
+        if reason is None:
+            h, self.last_fc1 = grouped_fc1_activation(
+                self, permuted_local_hidden_states, tokens_per_expert, permuted_probs
+            )
+            return h
+        self.last_fc1 = f"loop: {reason}"
+        with mlp_parts_replaced(self.local_experts, fc2=True):
             h, bias = SequentialMLP.forward(
                 self, permuted_local_hidden_states, tokens_per_expert, permuted_probs
             )
@@ -69,5 +131,13 @@ class GatherRSSequentialMLP(SequentialMLP):
         return h
 
     def fc2_weight(self) -> torch.Tensor:
-        """[L, H, F] FC2 weights of the local experts (each is `linear_fc2.weight`, [H, F])."""
-        return torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        """[L, H, F] FC2 weights of the local experts (each is `linear_fc2.weight`, [H, F]).
+
+        Contiguous (strides (H * F, F, 1)): a zero-copy view of the stacked parameters when
+        they are still stacked and autograd is not recording, else a `torch.stack` copy
+        (`last_fc2_weight` says which).
+        """
+        w2, self.last_fc2_weight = stacked_weights(
+            [e.linear_fc2.weight for e in self.local_experts]
+        )
+        return w2

@@ -236,3 +236,62 @@ def test_percentile():
     assert percentile([4.0, 1.0, 3.0, 2.0, 5.0], 50) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 20) == pytest.approx(1.8)
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 80) == pytest.approx(4.2)
+
+
+# --------------------------------------------------------------------------------------
+# Several models, --num-moe-layers, the off-grouped baseline
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_prefill_several_models_and_grouped_baseline(tmp_path):
+    proc, rows = _launch(
+        tmp_path, 1, "--model", "tiny", "tiny", "--num-moe-layers", "1",
+        "--baselines", "off", "off-grouped",
+    )
+    # COMMON's --num-layers 2 and --num-moe-layers are exclusive: argparse says so (status 2)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr, _explain(proc)
+    args = [a for a in COMMON if a not in ("--num-layers", "2")]
+    out = tmp_path / "several.jsonl"
+    cmd = [sys.executable, str(LAUNCHER), *args, "--model", "tiny", "tiny", "--num-moe-layers",
+           "1", "--baselines", "off", "off-grouped", "--out", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, _explain(proc)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["off", "on", "off-grouped"] * 2, _explain(proc)
+    assert proc.stdout.count("| tiny | 1 | tp1/ep1/dp1/sp0 | 32 |") == 2, _explain(proc)
+    for row in rows:
+        assert row["num_layers"] == 1 and row["fused_moe_layers"] == 1
+        assert row["agree"] is True, row["errors"]
+        assert row["label"] and row["experts_impl"]
+        assert row["param_bytes"] > 0 and row["own_peak_bytes"] is None  # CPU: no memory
+    grouped = [r for r in rows if r["variant"] == "off-grouped"]
+    assert all("GroupedGEMMSequentialMLP" in r["label"] for r in grouped)
+    assert all(r["errors"]["moe1_on_vs_off"]["max_rel_diff"] <= FP32_TOLERANCE for r in grouped)
+    for first, second in ((rows[1], grouped[0]), (rows[4], grouped[1])):
+        assert second["speedup_over_on"] == pytest.approx(second["ms_p50"] / first["ms_p50"])
+    # Same seed, same model: the second model's weights equal the first's (`reseed`), so its
+    # reports (max |output| included, which depends on the weights) are the same.
+    assert rows[0]["errors"] == rows[3]["errors"]
+    # The report reads these rows (CPU rows only with --include-cpu).
+    from megatron_overlap.bench import make_report
+
+    report = tmp_path / "report.md"
+    assert make_report.main([str(out), "--out", str(report), "--include-cpu", "--no-plots"]) == 0
+    text = report.read_text()
+    assert "| tiny | tp1/ep1/dp1/sp0 | 1 (1 MoE) | 32 |" in text and "off-grouped / on" in text
+
+
+def test_num_moe_layers_keeps_leading_dense_layers():
+    module = _prefill_module()
+    from megatron_overlap.models import load_model_shape
+
+    args = module.build_parser().parse_args(["--num-moe-layers", "2", "--device", "cpu"])
+    run = module.resolve_args(args, world_size=1)
+    assert module.num_layers_for(load_model_shape("deepseek-v2-lite"), run) == 3  # 1 dense
+    assert module.num_layers_for(load_model_shape("qwen3-30b-a3b"), run) == 2
+    args = module.build_parser().parse_args(["--device", "cpu", "--baselines", "off-grouped"])
+    run = module.resolve_args(args, world_size=1)
+    assert run.baselines == ("off", "off-grouped") and run.num_layers is None
+    assert module.num_layers_for(load_model_shape("qwen3-30b-a3b"), run) == 48  # the model's

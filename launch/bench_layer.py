@@ -1,0 +1,713 @@
+"""MoE-layer prefill benchmark: Megatron `MoELayer` forward, flag on vs flag-off baselines.
+
+For each layout, model and sequence length, in one process group, on the same input and the
+same weights (DESIGN.md section 5, "MoE layer"):
+
+* "on": `GatherRSMoELayer` from `megatron_overlap.megatron` specs with
+  `moe_gatherrs_overlap=True` (backend `--backend`, default auto = the Triton kernels on
+  GPUs; the resource manager's plan: `moe_gatherrs_num_comm_ctas=None`);
+* "off": Megatron's local MoE spec: alltoall dispatcher + `SequentialMLP`;
+* "off-grouped": alltoall dispatcher + `megatron_overlap.bench.baselines.
+  GroupedGEMMSequentialMLP` (FC1 and FC2 as torch grouped GEMMs; the row says which);
+* "off-te": alltoall dispatcher + `TEGroupedMLP`, only where Transformer Engine imports
+  (otherwise skipped, and the reason printed and recorded in every row).
+Exact labels: `megatron_overlap.bench.baselines.label`. "off" is built first (Megatron's
+initialisation; on CPU every expert redrawn distinct, `tests.support.megatron_cpu.
+init_expert_weights`), the others load its state dict strictly.
+
+Protocol per sequence length: `--warmup` untimed forwards of each variant, then `--iters`
+rounds, each timing one forward of every variant (rotating the order every round), all
+ranks lined up before each forward, the GPU's L2 flushed (256 MiB zeroed) before it, CUDA
+events around it; a forward's time is the slowest rank's; rows give p20/p50/p80 over the
+rounds. Then every variant's output on that input is compared with "off": max|x - off| /
+max|off| over all ranks <= `TOLERANCE[dtype]` (and no NaN/Inf). Memory per variant:
+`megatron_overlap.bench.measure` (own peak = parameters + symmetric workspace + largest
+forward transient).
+
+Inputs: N(0, 1) hidden states (fixed seed per rank and length) routed by Megatron's router
+with its initialised weights, so the loads are close to uniform (skewed routing: the operator
+benchmark).
+
+Layouts (`--layouts`): "epN" = TP 1, EP N; "tpN" = TP N (= expert TP), EP 1, sequence
+parallel; "tpXepY" in general (SP when X > 1). Tokens: each DP group (world / TP ranks)
+feeds one sequence of `seq` tokens, micro-batch 1: with ep2 on 2 GPUs each rank routes its
+own `seq` tokens (2 * seq through the layer); with tp2 + SP the two ranks hold seq / 2 tokens
+each of one sequence (seq through the layer). Rows: `tokens_per_rank` and `global_tokens`.
+
+Rank 0 prints one line per workload and appends one JSON row per (layout, model, seq,
+variant) to `--out` after each (layout, model); schema `SCHEMA`, fields documented in
+`megatron_overlap.bench.make_report`. Exit status: 0 all variants agree with "off", 1 one
+does not, 2 bad arguments.
+
+Usage::
+
+    python3 launch/bench_layer.py                      # CPU: tiny model, fp32, gloo
+    torchrun --standalone --nproc_per_node 2 launch/bench_layer.py   # CPU, ep2 and tp2
+    source scripts/device_setup.sh && torchrun --standalone --nproc_per_node 2 \\
+        launch/bench_layer.py --out $OUT/layer.jsonl  # GPU: five models, 4096..32768
+
+Shape symbols: S sequence length, B micro-batch (1), H hidden, T = S / TP tokens per rank
+under SP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LAUNCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = LAUNCH_DIR.parent
+for _path in (str(REPO_ROOT), str(LAUNCH_DIR)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)  # run from a checkout; prefill.py's set-up helpers
+
+from prefill import (
+    UsageError,
+    _non_negative_int,
+    _positive_int,
+    _quiet_megatron_import_warnings,
+    _usage_error,
+    ensure_launch_env,
+    init_process_group,
+)
+
+from megatron_overlap.bench.measure import (
+    Timer,
+    allocated_bytes,
+    append_rows,
+    arm_stack_dumps,
+    environment,
+    max_error,
+    own_peak,
+    param_bytes,
+    percentile,
+    reduce_max,
+    symm_workspace_bytes,
+)
+
+SCHEMA = "megatron_overlap.layer/1"
+"""`schema` field of every row; bump when a field changes meaning."""
+
+DEFAULT_OUT = "results/bench_layer.jsonl"
+GPU_MODELS = ("qwen3-30b-a3b", "deepseek-v2-lite", "qwen1.5-moe-a2.7b", "mixtral-8x7b",
+              "phi-3.5-moe")
+"""Default models on GPU: the fine-grained targets first (a run cut short keeps them)."""
+CPU_DEFAULTS = {"models": ["tiny"], "seq_lengths": [32, 64], "warmup": 1, "iters": 2}
+GPU_DEFAULTS = {"models": list(GPU_MODELS), "seq_lengths": [4096, 8192, 16384, 32768],
+                "warmup": 3, "iters": 20}
+VARIANTS = ("off", "on", "off-grouped", "off-te")
+
+TOLERANCE = {
+    # fp32: the same products summed in another order (pre-reduction before the return
+    # all-to-all; a grouped GEMM's summation order); measured <= 5.1e-7 on CPU (prefill.py).
+    "fp32": 1e-5,
+    # bf16: the fused path rounds each pre-reduced routed sum once where Megatron rounds every
+    # (token, expert) row and each bf16 add: a few bf16 roundings (unit roundoff 2^-9) of the
+    # largest terms; measured 3.6e-3 .. 7.5e-3 on a first MoE layer (prefill.py TOLERANCE).
+    # 2^-5 leaves 4x margin while a missing top-k term (0.73), a 10 % scale error or one wrong
+    # row fails. Same bound for the grouped baselines (GEMM rounding only).
+    "bf16": 2.0**-5,
+}
+"""Largest accepted max|variant - off| / max|off| of the layer output, by dtype. The router
+sees the identical input in every variant, so no token changes experts between them."""
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """"ep2" -> (1, 2), "tp2" -> (2, 1), "tp2ep2" -> (2, 2), "tp1ep1" -> (1, 1).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (sizes must be >= 1).
+    """
+    import re
+
+    match = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", text)
+    if not text or match is None or not any(match.groups()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected epN, tpN or tpXepY (e.g. ep2, tp2, tp1ep1)")
+    tp, ep = (int(g) if g else 1 for g in match.groups())
+    if tp < 1 or ep < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be >= 1")
+    return tp, ep
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argument parser (see `--help`)."""
+    from megatron_overlap.config import BACKENDS
+
+    parser = argparse.ArgumentParser(
+        prog="bench_layer.py",
+        description="Megatron MoELayer prefill forward: moe_gatherrs_overlap on vs flag-off "
+        "baselines (same weights, same input).",
+    )
+    parser.add_argument("--model", nargs="+", default=None,
+                        help="names in configs/models or YAML paths (default: tiny on CPU; "
+                        f"{' '.join(GPU_MODELS)} on GPU)")
+    parser.add_argument("--seq-lengths", type=_positive_int, nargs="+", default=None,
+                        help="tokens per sequence (default 32 64 on CPU, 4096 8192 16384 "
+                        "32768 on GPU)")
+    parser.add_argument("--layouts", type=parse_layout, nargs="+", default=None,
+                        help="epN, tpN (with sequence parallel) or tpXepY; world size must be "
+                        "a multiple of TP * EP (default: ep<world> and tp<world>)")
+    parser.add_argument("--baselines", nargs="+", choices=VARIANTS[:1] + VARIANTS[2:],
+                        default=["off", "off-grouped", "off-te"],
+                        help="flag-off variants ('off' always runs: weights and checks come "
+                        "from it; 'off-te' is skipped where Transformer Engine is missing)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="moe_gatherrs_backend of the flag-on layer (default auto)")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="params and compute dtype (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=None,
+                        help="untimed forwards of each variant per sequence length "
+                        "(default 1 on CPU, 3 on GPU)")
+    parser.add_argument("--iters", type=_positive_int, default=None,
+                        help="timed forwards of each variant per sequence length "
+                        "(default 2 on CPU, 20 on GPU)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"JSONL file rows are appended to (default {DEFAULT_OUT}; '' = none)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to run (default auto: cuda if available)")
+    parser.add_argument("--seed", type=int, default=1234,
+                        help="weight-init seed; inputs use seed + rank + seq (default 1234)")
+    return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The checked command line plus what follows from it and the environment."""
+
+    models: tuple[str, ...]
+    seq_lengths: tuple[int, ...]
+    layouts: tuple[tuple[int, int], ...]
+    baselines: tuple[str, ...]
+    backend: str
+    dtype: str
+    warmup: int
+    iters: int
+    out: str
+    device: str
+    seed: int
+    world_size: int
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """Fill device-dependent defaults and check the layouts against the world size.
+
+    Raises:
+        ValueError: naming the bad option: a layout whose TP * EP does not divide the world
+            size, `--device cuda` without CUDA, `--device cpu` with CUDA visible.
+    """
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
+    if device == "cpu" and torch.cuda.is_available():
+        raise ValueError("--device cpu: CUDA is visible; the CPU patches of Megatron refuse to "
+                         "run then (hide the GPUs with CUDA_VISIBLE_DEVICES=)")
+    defaults = CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS
+    layouts = args.layouts or list(dict.fromkeys([(1, world_size), (world_size, 1)]))
+    for tp, ep in layouts:
+        if world_size % (tp * ep):
+            raise ValueError(f"--layouts tp{tp}ep{ep}: world size {world_size} is not a "
+                             f"multiple of tp * ep = {tp * ep}")
+    return RunConfig(
+        models=tuple(args.model or defaults["models"]),
+        seq_lengths=tuple(args.seq_lengths or defaults["seq_lengths"]),
+        layouts=tuple(dict.fromkeys(layouts)),
+        baselines=tuple(v for v in VARIANTS if v == "off" or v in args.baselines),
+        backend=args.backend,
+        dtype=args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16"),
+        warmup=defaults["warmup"] if args.warmup is None else args.warmup,
+        iters=defaults["iters"] if args.iters is None else args.iters,
+        out=args.out,
+        device=device,
+        seed=args.seed,
+        world_size=world_size,
+    )
+
+
+def check_shape(shape: Any, tp: int, ep: int, seq_lengths: tuple[int, ...]) -> None:
+    """Check that a model's MoE layer splits over a layout.
+
+    Raises:
+        ValueError: experts not divisible by EP, FFN widths by TP, or a sequence length by
+            TP (sequence parallel).
+    """
+    for field, value, size, option in (
+        ("num_moe_experts", shape.num_moe_experts, ep, "ep"),
+        ("moe_ffn_hidden_size", shape.moe_ffn_hidden_size, tp, "tp"),
+        ("moe_shared_expert_intermediate_size",
+         shape.moe_shared_expert_intermediate_size or tp, tp, "tp"),
+    ):
+        if value % size:
+            raise ValueError(f"--layouts {option}{size}: {shape.name}.{field}={value} is not "
+                             f"divisible by {size}")
+    for seq in seq_lengths:
+        if seq % tp:
+            raise ValueError(f"--seq-lengths {seq}: not divisible by tp {tp} (sequence parallel)")
+
+
+# --------------------------------------------------------------------------------------
+# Layouts and layers
+# --------------------------------------------------------------------------------------
+
+
+def layout_name(tp: int, ep: int, world_size: int) -> str:
+    """E.g. "tp1/ep2/dp2/sp0" (as prefill.py)."""
+    return f"tp{tp}/ep{ep}/dp{world_size // tp}/sp{int(tp > 1)}"
+
+
+def init_layout(run: RunConfig, tp: int, ep: int) -> dict:
+    """(Re)create Megatron's model-parallel groups for one layout and seed the RNGs.
+
+    CPU: `tests.support.megatron_cpu` patches + `init_parallel_state` (test-support code by
+    policy; only launchers import it). GPU: `initialize_model_parallel` +
+    `model_parallel_cuda_manual_seed`, and with SP Megatron's torch norm allowed (no TE/apex
+    there; only the shared experts' norm-free linears care, but the patch is harmless).
+
+    Returns:
+        {"rank", "tp_rank", "ep_rank", "dp_rank"} of this process.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_overlap.symm import destroy_workspaces
+
+    if ps.model_parallel_is_initialized():
+        destroy_workspaces()
+        ps.destroy_model_parallel()
+    if run.device == "cpu":
+        from tests.support.megatron_cpu import apply_cpu_patches, init_parallel_state
+
+        apply_cpu_patches()
+        init_parallel_state(tp, ep, seed=run.seed)
+    else:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                     expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=tp,
+                                     create_gloo_process_groups=False)
+        torch.manual_seed(run.seed)  # the router weight is initialised on the CPU
+        model_parallel_cuda_manual_seed(run.seed)
+    return {
+        "rank": dist.get_rank(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+    }
+
+
+def build_config(shape: Any, run: RunConfig, tp: int, ep: int, *, flag: bool, initialize: bool):
+    """`GatherRSTransformerConfig` of one MoE layer of `shape` (num_layers 1)."""
+    from megatron_overlap.megatron import GatherRSTransformerConfig
+    from megatron_overlap.models import transformer_config_kwargs
+
+    kwargs = transformer_config_kwargs(shape, num_layers=shape.first_k_dense_layers + 1)
+    kwargs.update(num_layers=1, moe_layer_freq=1)
+    bf16 = run.dtype == "bf16"
+    return GatherRSTransformerConfig(
+        **kwargs,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=run.device == "cpu",
+        perform_initialization=initialize,
+        moe_permute_fusion=False,
+        moe_router_dtype="fp32",
+        moe_gatherrs_overlap=flag,
+        moe_gatherrs_backend=run.backend,
+    )
+
+
+def build_layers(shape: Any, run: RunConfig, tp: int, ep: int,
+                 device: torch.device) -> tuple[dict, dict]:
+    """Every variant's MoE layer, same weights, on the device, in eval mode.
+
+    Returns:
+        ({variant: layer} in `VARIANTS` order, {variant: reason} of skipped baselines).
+
+    Raises:
+        RuntimeError: a strict state-dict load fails (a parameter-name break).
+    """
+    from megatron_overlap.bench import baselines
+    from megatron_overlap.megatron import use_gatherrs_in_moe_spec
+
+    experts = shape.num_moe_experts
+    layers, skipped = {}, {}
+    off = baselines.moe_spec("off", experts)(
+        config=build_config(shape, run, tp, ep, flag=False, initialize=True), layer_number=1)
+    if run.device == "cpu":
+        from tests.support.megatron_cpu import init_expert_weights
+
+        init_expert_weights(off, seed=run.seed, std=off.config.init_method_std)
+    state = off.state_dict()
+    layers["off"] = off
+    cfg_plain = build_config(shape, run, tp, ep, flag=False, initialize=False)
+    for variant in VARIANTS[1:]:
+        if variant != "on" and variant not in run.baselines:
+            continue
+        if variant == "on":
+            spec = use_gatherrs_in_moe_spec(baselines.moe_spec("off", experts))
+            layer = spec(config=build_config(shape, run, tp, ep, flag=True, initialize=False),
+                         layer_number=1)
+            layer.load_state_dict(state, strict=True)
+        elif variant == "off-grouped":
+            layer = baselines.moe_spec(variant, experts)(config=cfg_plain, layer_number=1)
+            layer.load_state_dict(state, strict=True)
+        else:  # off-te
+            reason = baselines.te_unavailable_reason()
+            if reason is None:
+                try:
+                    layer = _build_te_layer(shape, run, tp, ep, state)
+                except Exception as err:  # noqa: BLE001 - recorded, never fatal
+                    reason = f"building TEGroupedMLP failed: {type(err).__name__}: {err}"
+            if reason is not None:
+                skipped[variant] = reason
+                continue
+        layers[variant] = layer
+    return {name: layer.to(device).eval() for name, layer in layers.items()}, skipped
+
+
+def _build_te_layer(shape: Any, run: RunConfig, tp: int, ep: int, state: dict):
+    """The "off-te" layer with the "off" weights (keys mapped; only `_extra_state` entries
+    may be missing or unexpected). Untested here: no machine of ours has TE."""
+    from megatron_overlap.bench import baselines
+
+    config = build_config(shape, run, tp, ep, flag=False, initialize=False)
+    config.moe_grouped_gemm = True
+    layer = baselines.moe_spec("off-te", shape.num_moe_experts)(config=config, layer_number=1)
+    mapped = baselines.sequential_to_te_state_dict(state, layer.num_local_experts)
+    result = layer.load_state_dict(mapped, strict=False)
+    bad = [k for k in (*result.missing_keys, *result.unexpected_keys)
+           if not k.endswith("_extra_state")]
+    if bad:
+        raise RuntimeError(f"TEGroupedMLP state-dict keys do not match: {bad}")
+    return layer
+
+
+def make_input(shape: Any, run: RunConfig, tp: int, ranks: dict, seq: int,
+               device: torch.device) -> torch.Tensor:
+    """[S / TP, 1, H] hidden states (N(0, 1); sequence parallel: this rank's slice), the
+    layer dtype, one generator per (rank, seq)."""
+    gen = torch.Generator().manual_seed(run.seed + 7919 * (ranks["rank"] + 1) + seq)
+    x = torch.randn(seq // tp, 1, shape.hidden_size, generator=gen)
+    return x.to(dtype=torch.bfloat16 if run.dtype == "bf16" else torch.float32, device=device)
+
+
+def fused_calls(layer: torch.nn.Module) -> int:
+    """Fused-op launches of a flag-on layer so far (its dispatcher counts its plans)."""
+    return layer.token_dispatcher.num_plans
+
+
+# --------------------------------------------------------------------------------------
+# One workload
+# --------------------------------------------------------------------------------------
+
+
+def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.device) -> dict:
+    """Warm up, time `--iters` rounds of every variant, check agreement with "off".
+
+    Returns:
+        {"ms": {variant: [slowest rank's ms per round]}, "errors": {variant: `max_error`
+        against "off"}, "fused_calls": launches of the fused op in the timed rounds, and per
+        variant, max over ranks: "fwd_extra_bytes", "peak_abs_bytes", "persistent_bytes",
+        "param_bytes", "symm_workspace_bytes" (None on CPU but param_bytes)}.
+
+    Raises:
+        RuntimeError: the flag-on layer did not launch the fused op once per forward.
+    """
+    names = list(layers)
+    timers = {name: Timer(device, flush_l2=True) for name in names}
+    persistent = dict.fromkeys(names)
+    with torch.inference_mode():
+        for i in range(run.warmup):
+            for name in names:
+                before = allocated_bytes(device)
+                layers[name](x)
+                if i == 0:
+                    persistent[name] = max(0, allocated_bytes(device) - before)
+        calls_before = fused_calls(layers["on"])
+        for r in range(run.iters):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                timers[name].measure(lambda layer=layers[name]: layer(x))
+        calls = fused_calls(layers["on"]) - calls_before
+        if calls != run.iters:
+            raise RuntimeError(f"the flag-on layer launched the fused op {calls} times in "
+                               f"{run.iters} timed forwards")
+        outputs = {name: layers[name](x)[0] for name in names}
+        errors = {name: max_error(outputs[name], outputs["off"]) for name in names
+                  if name != "off"}
+    del outputs
+    cuda = device.type == "cuda"
+
+    def rank_max(values: dict) -> dict:
+        keys = [k for k in names if values.get(k) is not None]
+        maxima = reduce_max([float(values[k]) for k in keys], device) if keys else []
+        out = dict.fromkeys(names)
+        out.update({k: int(v) for k, v in zip(keys, maxima)})
+        return out
+
+    symm = symm_workspace_bytes() if cuda else 0
+    return {
+        "ms": {name: reduce_max(timers[name].times_ms(), device) for name in names},
+        "errors": errors,
+        "fused_calls": calls,
+        "param_bytes": rank_max({n: param_bytes(layers[n]) for n in names}),
+        "fwd_extra_bytes": rank_max({n: timers[n].fwd_extra_bytes if cuda else None
+                                     for n in names}),
+        "peak_abs_bytes": rank_max({n: timers[n].peak_bytes if cuda else None for n in names}),
+        "persistent_bytes": rank_max(persistent if cuda else {}),
+        "symm_workspace_bytes": rank_max({n: (symm if n == "on" else 0) if cuda else None
+                                          for n in names}),
+    }
+
+
+def describe(layers: dict, backend: str, te_version: str | None) -> dict:
+    """{variant: (label, experts_impl)} after the variants ran (`baselines.label`)."""
+    from megatron_overlap.bench.baselines import label
+
+    out = {}
+    for name, layer in layers.items():
+        experts = layer.experts
+        if name == "on":
+            plan = layer.token_dispatcher.plan
+            plan_text = "-" if plan is None else f"{plan.num_comm_ctas} comm CTAs ({plan.source})"
+            impl = f"{experts.last_fc1}; FC2 in the fused op, weights {experts.last_fc2_weight}"
+            text = label("on", fc1=experts.last_fc1, fc2_weight=experts.last_fc2_weight,
+                         backend=backend, plan=plan_text)
+        elif name == "off-grouped":
+            impl = experts.last_impl
+            text = label(name, impl=impl)
+        elif name == "off-te":
+            impl = f"TEGroupedMLP (Transformer Engine {te_version})"
+            text = label(name, te_version=te_version)
+        else:
+            impl = "SequentialMLP loop (Megatron's)"
+            text = label("off")
+        out[name] = (text, impl)
+    return out
+
+
+def resolved_backend(run: RunConfig, layer_on: torch.nn.Module) -> str:
+    """The backend the flag-on layer's fused op takes here (as its dispatcher decides).
+
+    Raises:
+        UsageError: `--backend triton` where the Triton kernels cannot run (says why).
+    """
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_overlap.ops import resolve_backend
+
+    w2 = layer_on.experts.local_experts[0].linear_fc2.weight.detach().unsqueeze(0)
+    h = w2.new_empty(0, w2.shape[2])
+    group = ps.get_expert_tensor_and_model_parallel_group()
+    group = group if dist.get_world_size(group) > 1 else None
+    try:
+        with warnings.catch_warnings(), torch.inference_mode():
+            warnings.simplefilter("ignore")
+            return resolve_backend(run.backend, h, w2, group)
+    except (RuntimeError, NotImplementedError) as err:
+        raise UsageError(f"--backend {run.backend}: {err}") from err
+
+
+def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig) -> list:
+    """One row per variant of one workload (fields: `megatron_overlap.bench.make_report`)."""
+    ms = result["ms"]
+    p50 = {name: percentile(v, 50) for name, v in ms.items()}
+    cuda = run.device == "cuda"
+    rows = []
+    for name, times in ms.items():
+        errors = result["errors"].get(name)
+        agree = errors is None or (errors["max_rel_diff"] <= TOLERANCE[run.dtype]
+                                   and errors["nonfinite"] == 0)
+        own = None
+        if cuda:
+            own = own_peak(result["param_bytes"][name], result["symm_workspace_bytes"][name],
+                           result["fwd_extra_bytes"][name])
+        rows.append({
+            "schema": SCHEMA,
+            "benchmark": "layer",
+            **info,
+            "seq_length": seq,
+            "tokens_per_rank": seq // info["tp"],
+            "global_tokens": seq * info["dp"],
+            "variant": name,
+            "label": details[name][0],
+            "experts_impl": details[name][1],
+            "moe_gatherrs_overlap": name == "on",
+            "backend": info["backend"] if name == "on" else "megatron-alltoall",
+            "fused_calls": result["fused_calls"] if name == "on" else 0,
+            "ms_p20": percentile(times, 20),
+            "ms_p50": p50[name],
+            "ms_p80": percentile(times, 80),
+            "ms_mean": statistics.fmean(times),
+            "ms_all": times,
+            "tokens_per_s": seq * info["dp"] / (p50[name] / 1e3),
+            "speedup_over_on": p50[name] / p50["on"],
+            "param_bytes": result["param_bytes"][name],
+            "symm_workspace_bytes": result["symm_workspace_bytes"][name],
+            "fwd_extra_bytes": result["fwd_extra_bytes"][name],
+            "persistent_bytes": result["persistent_bytes"][name],
+            "peak_abs_bytes": result["peak_abs_bytes"][name],
+            "own_peak_bytes": own,
+            "peak_mem_gib": own / 2**30 if own is not None else None,
+            "errors": errors,
+            "max_rel_diff": errors["max_rel_diff"] if errors else 0.0,
+            "tolerance": TOLERANCE[run.dtype],
+            "criterion": f"max|x - off| / max|off| <= {TOLERANCE[run.dtype]:.1e}, all finite",
+            "agree": agree,
+        })
+    return rows
+
+
+def summary_line(rows: list) -> str:
+    """One line per workload: p50 of every variant, t_variant / t_on, agreement."""
+    first = rows[0]
+    on = next(r for r in rows if r["variant"] == "on")
+    parts = [f"{r['variant']} {r['ms_p50']:.3f} ms"
+             + ("" if r["variant"] == "on" else f" (t/t_on {r['speedup_over_on']:.2f})")
+             for r in rows]
+    mem = ""
+    off = next(r for r in rows if r["variant"] == "off")
+    if on["own_peak_bytes"] and off["own_peak_bytes"]:
+        mem = f"; own peak on/off {on['own_peak_bytes'] / off['own_peak_bytes'] - 1:+.1%}"
+    bad = [r["variant"] for r in rows if not r["agree"]]
+    return (f"layer {first['model']} {first['layout']} seq {first['seq_length']}: "
+            + ", ".join(parts) + mem
+            + ("; agree" if not bad else f"; DISAGREE: {bad}"))
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+
+
+def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
+    """Every layout, model and sequence length; rank 0 prints and writes as it goes."""
+    import gc
+
+    from megatron_overlap.bench.measure import _version
+
+    status = 0
+    rank0 = dist.get_rank() == 0
+    if rank0 and run.out:
+        append_rows(run.out, [])  # an unwritable --out fails now
+    env = environment(device)
+    te_version = _version("transformer_engine")
+    printed_skips = set()
+    for tp, ep in run.layouts:
+        ranks = init_layout(run, tp, ep)
+        for shape in shapes:
+            torch.manual_seed(run.seed)
+            layers, skipped = build_layers(shape, run, tp, ep, device)
+            if "off-te" in layers:  # never run by us (no TE anywhere): probe it first
+                probe = make_input(shape, run, tp, ranks, run.seq_lengths[0], device)
+                try:
+                    with torch.inference_mode():
+                        layers["off-te"](probe)
+                except Exception as err:  # noqa: BLE001 - recorded as a skip, not fatal
+                    skipped["off-te"] = f"TEGroupedMLP forward failed: {type(err).__name__}: {err}"
+                    del layers["off-te"]
+            for variant, reason in skipped.items():
+                if rank0 and (variant, reason) not in printed_skips:
+                    printed_skips.add((variant, reason))
+                    print(f"skipping {variant}: {reason}", flush=True)
+            backend = resolved_backend(run, layers["on"])
+            info = {
+                "model": shape.name,
+                "layout": layout_name(tp, ep, run.world_size),
+                "world_size": run.world_size, "tp": tp, "ep": ep, "dp": run.world_size // tp,
+                "sequence_parallel": tp > 1, "micro_batch_size": 1, "dtype": run.dtype,
+                "hidden_size": shape.hidden_size, "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+                "num_moe_experts": shape.num_moe_experts, "moe_router_topk": shape.moe_router_topk,
+                "local_experts": shape.num_moe_experts // ep,
+                "shared_expert_size": shape.moe_shared_expert_intermediate_size,
+                "backend_requested": run.backend, "backend": backend,
+                "variants": list(layers), "skipped_baselines": skipped,
+                "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,
+                **env,
+            }
+            rows = []
+            for seq in run.seq_lengths:
+                x = make_input(shape, run, tp, ranks, seq, device)
+                result = time_workload(layers, x, run, device)
+                details = describe(layers, backend, te_version)
+                new = make_rows(result, seq, info, details, run)
+                rows += new
+                if rank0:
+                    print(summary_line(new), flush=True)
+                    for row in new:
+                        if not row["agree"]:
+                            print(f"ERROR: {row['variant']} disagrees with off: "
+                                  f"{row['errors']}", file=sys.stderr, flush=True)
+            if not all(r["agree"] for r in rows):
+                status = 1
+            if rank0 and run.out:
+                append_rows(run.out, rows)
+            del layers
+            gc.collect()
+            from megatron_overlap.symm import destroy_workspaces
+
+            destroy_workspaces()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if rank0 and run.out:
+        print(f"rows appended to {run.out}", flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 agree, 1 disagree, 2 bad arguments)."""
+    _quiet_megatron_import_warnings()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ensure_launch_env()
+    try:
+        arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
+        from megatron_overlap.models import load_model_shape
+
+        run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
+        shapes = [load_model_shape(name) for name in run.models]
+        for shape in shapes:
+            for tp, ep in run.layouts:
+                check_shape(shape, tp, ep, run.seq_lengths)
+        device = init_process_group(run.device)
+    except ValueError as err:
+        return _usage_error(parser, str(err))
+    try:
+        return benchmark(run, shapes, device)
+    except UsageError as err:
+        return _usage_error(parser, str(err))
+    finally:
+        with contextlib.suppress(Exception):
+            from megatron.core import parallel_state as ps
+
+            from megatron_overlap.symm import destroy_workspaces
+
+            destroy_workspaces()
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""The benchmark report: tables, speedup plots, geometric means, memory, versions, commands.
+
+    python -m megatron_overlap.bench.make_report docs/results/*.jsonl --out docs/report.md
+
+reads the JSON rows of the layer benchmark (`launch/bench_layer.py`) and the full-model
+prefill (`launch/prefill.py`), and writes a markdown report plus one PNG per benchmark next
+to it (`<out stem>_layer.png`, `<out stem>_prefill.png`: t_baseline / t_on against sequence
+length, one panel per model and layout). Other rows (the operator benchmark's, which have
+no `schema` field) are skipped and counted; so are CPU rows (timings of a CPU run are not
+benchmark numbers) unless `--include-cpu`. When several rows have the same key (benchmark,
+model, layout, layers, sequence length, variant, dtype, GPU, requested backend, attention)
+the newest (`timestamp`) wins.
+
+Speedup of the flag over a baseline = t_baseline / t_on of the p50 times (> 1: flag on is
+faster). Targets (issue 5), checked and stated met or missed:
+  * layer: geometric mean >= 1.3 over "off-grouped" on the fine-grained models, and no
+    workload slower than any baseline;
+  * full model: geometric mean >= 1.15 over "off" on the fine-grained models at sequence
+    length >= 4096, and no such workload slower;
+  * the flag's extra peak memory (own peak, see `megatron_overlap.bench.measure`) <= 10 % of
+    the baseline's ("off").
+
+Row schema (JSON lines; one row per workload and variant)
+---------------------------------------------------------
+`schema` "megatron_overlap.layer/1" (layer) or "megatron_overlap.prefill/1" (full model);
+`benchmark` "layer" | "prefill". A field whose meaning changes gets a new schema version.
+
+Common fields:
+  model (configs/models name), layout ("tp{T}/ep{E}/dp{D}/sp{0|1}"), world_size, tp, ep, dp,
+  sequence_parallel, micro_batch_size, dtype ("bf16" | "fp32"), seq_length (tokens per
+  sequence), global_tokens (tokens through the layer/model per forward, all ranks),
+  variant ("on" | "off" | "off-grouped" | "off-te"), label (exact description of the
+  variant, `megatron_overlap.bench.baselines.label`), experts_impl (what its experts ran:
+  grouped GEMM implementation or loop, FC2 weight view or stack), moe_gatherrs_overlap
+  (bool), backend_requested, backend ("triton" | "reference" for "on", "megatron-alltoall"
+  otherwise), fused_calls (fused-op launches in the timed forwards; 0 for baselines),
+  warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
+  ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
+  speedup_over_on (t_variant / t_on, p50), memory in bytes per rank (max over ranks; None on
+  CPU): param_bytes, symm_workspace_bytes, fwd_extra_bytes, own_peak_bytes (their sum),
+  peak_abs_bytes, persistent_bytes (information only), peak_mem_gib (layer: own peak in GiB;
+  prefill: absolute max_memory_allocated in GiB, both models resident), errors (agreement
+  measures against "off"), max_rel_diff, tolerance, criterion (the rule, in words), agree,
+  seed, command (the launch command, reconstructed), environment: gpu, host, python, torch,
+  cuda, triton, megatron_core, megatron_overlap, transformer_engine (None if absent),
+  grouped_mm (torch's grouped GEMM or "loop"), git_sha, timestamp (UTC ISO 8601).
+Layer only: tokens_per_rank, hidden_size, moe_ffn_hidden_size, num_moe_experts,
+  moe_router_topk, local_experts, shared_expert_size, variants, skipped_baselines
+  ({variant: reason}), l2_flush; errors = max_error of the layer output vs "off"
+  (max_abs_diff, max_abs_ref, max_rel_diff, nonfinite).
+Prefill only: num_layers, num_dense_layers, fused_moe_layers, attention ("local" | "sdpa"),
+  reference ("fp32" | "none ..."), variants, speedup_off_over_on (t_off / t_on); errors =
+  {moe1_on_vs_off, on_vs_off, off_vs_ref, on_vs_ref} of the row's variant ("off" rows carry
+  the flag-on variant's) as in `launch/prefill.py` `check_seq`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+SCHEMAS = {"megatron_overlap.layer/1": "layer", "megatron_overlap.prefill/1": "prefill"}
+FINE_GRAINED = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "deepseek-v2-lite")
+"""The target group of the issue: many small experts (more communication per FLOP)."""
+COARSE = ("mixtral-8x7b", "phi-3.5-moe")
+MODEL_ORDER = FINE_GRAINED + COARSE
+BASELINE_ORDER = ("off", "off-grouped", "off-te")
+TARGETS = {
+    "layer": {"baseline": "off-grouped", "geomean": 1.3, "min_seq": 0},
+    "prefill": {"baseline": "off", "geomean": 1.15, "min_seq": 4096},
+}
+MEMORY_TARGET = 0.10
+"""Largest accepted (own_peak(on) - own_peak(off)) / own_peak(off)."""
+
+_KEY_FIELDS = ("benchmark", "model", "layout", "num_layers", "seq_length", "variant", "dtype",
+               "gpu", "backend_requested", "attention")
+
+
+# --------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------
+
+
+def load_rows(paths: Iterable[str]) -> tuple[list[dict], dict]:
+    """Every JSON row of the files, and counts of what was skipped.
+
+    Returns:
+        (rows of a known schema, {"foreign": rows of other schemas, "files": files read}).
+
+    Raises:
+        ValueError: a file is missing or a line is not JSON (names file and line).
+    """
+    rows, foreign, files = [], 0, 0
+    for path in paths:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"{path}: no such file")
+        files += 1
+        for number, line in enumerate(file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not JSON ({err})") from err
+            if isinstance(row, dict) and row.get("schema") in SCHEMAS:
+                row.setdefault("benchmark", SCHEMAS[row["schema"]])
+                rows.append(row)
+            else:
+                foreign += 1
+    return rows, {"foreign": foreign, "files": files}
+
+
+def select_rows(rows: list[dict], *, include_cpu: bool = False) -> tuple[list[dict], dict]:
+    """Drop CPU rows (unless asked) and keep the newest row per key.
+
+    Returns:
+        (rows, {"cpu": dropped CPU rows, "superseded": older duplicates dropped}).
+    """
+    kept, cpu = {}, 0
+    for row in rows:
+        if row.get("gpu") == "cpu" and not include_cpu:
+            cpu += 1
+            continue
+        key = tuple(row.get(field) for field in _KEY_FIELDS)
+        if key not in kept or str(row.get("timestamp", "")) >= str(kept[key].get("timestamp", "")):
+            kept[key] = row
+    return list(kept.values()), {"cpu": cpu, "superseded": len(rows) - cpu - len(kept)}
+
+
+def _model_rank(model: str) -> tuple:
+    return (MODEL_ORDER.index(model), "") if model in MODEL_ORDER else (len(MODEL_ORDER), model)
+
+
+def workloads(rows: list[dict], benchmark: str) -> dict:
+    """{(model, layout, num_layers, seq_length, backend_requested): {variant: row}} of one
+    benchmark (num_layers None for the layer benchmark), sorted by model (fine-grained
+    first), layout, layers, sequence length and requested backend. Runs that asked for
+    different fused backends are different workloads."""
+    out: dict = {}
+    for row in rows:
+        if row["benchmark"] != benchmark:
+            continue
+        key = (row["model"], row["layout"], row.get("num_layers"), row["seq_length"],
+               str(row.get("backend_requested", "-")))
+        out.setdefault(key, {})[row["variant"]] = row
+    return dict(sorted(out.items(), key=lambda kv: (_model_rank(kv[0][0]), kv[0][1],
+                                                   kv[0][2] or 0, kv[0][3], kv[0][4])))
+
+
+def speedup(group: dict, baseline: str) -> float | None:
+    """t_baseline / t_on (p50) of one workload, None when either is missing."""
+    if "on" not in group or baseline not in group:
+        return None
+    return group[baseline]["ms_p50"] / group["on"]["ms_p50"]
+
+
+def memory_extra(group: dict, baseline: str = "off") -> float | None:
+    """own_peak(on) / own_peak(baseline) - 1, None without both."""
+    on, base = group.get("on", {}).get("own_peak_bytes"), group.get(baseline, {}).get(
+        "own_peak_bytes")
+    if not on or not base:
+        return None
+    return on / base - 1.0
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    """Geometric mean of positive numbers, None for none.
+
+    Raises:
+        ValueError: a value <= 0.
+    """
+    if not values:
+        return None
+    if any(v <= 0 for v in values):
+        raise ValueError(f"geometric mean of non-positive values: {values}")
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def group_of(model: str) -> str:
+    """"fine-grained", "coarse" (Mixtral, Phi-3.5-MoE) or "other"."""
+    if model in FINE_GRAINED:
+        return "fine-grained"
+    return "coarse" if model in COARSE else "other"
+
+
+# --------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _gib(value) -> str:
+    return "-" if not value else f"{value / 2**30:.2f}"
+
+
+def _table(header: Sequence[str], lines: Iterable[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n".join(out)
+
+
+def baselines_present(groups: dict) -> list[str]:
+    """Baselines that appear in any workload, in `BASELINE_ORDER`."""
+    seen = {v for g in groups.values() for v in g}
+    return [b for b in BASELINE_ORDER if b in seen]
+
+
+def workload_table(groups: dict, benchmark: str) -> str:
+    """One line per workload: p50 of each variant, speedups, memory, agreement."""
+    bases = baselines_present(groups)
+    header = ["model", "layout"] + (["layers"] if benchmark == "prefill" else []) + [
+        "seq", "ms on"]
+    header += [f"ms {b}" for b in bases] + [f"{b} / on" for b in bases]
+    header += ["own peak GiB on / off", "extra mem vs off", "agree", "backend (requested)"]
+    lines = []
+    for (model, layout, layers, seq, backend), g in groups.items():
+        on = g.get("on")
+        any_row = next(iter(g.values()))
+        moe = any_row.get("fused_moe_layers")
+        layer_text = f"{layers} ({moe} MoE)" if moe is not None else str(layers)
+        cells = [model, layout] + ([layer_text] if benchmark == "prefill" else [])
+        cells += [str(seq), _fmt(on["ms_p50"] if on else None, ".3f")]
+        cells += [_fmt(g[b]["ms_p50"] if b in g else None, ".3f") for b in bases]
+        cells += [_fmt(speedup(g, b), ".3f") for b in bases]
+        cells.append(f"{_gib(on and on.get('own_peak_bytes'))} / "
+                     f"{_gib(g.get('off', {}).get('own_peak_bytes'))}")
+        cells.append(_fmt(memory_extra(g), "+.1%"))
+        agree = all(r.get("agree", False) for r in g.values())
+        cells.append("yes" if agree else "NO")
+        cells.append(f"{on['backend'] if on else '-'} ({backend})")
+        lines.append(cells)
+    return _table(header, lines)
+
+
+def geomean_table(groups: dict, benchmark: str) -> str:
+    """Geometric mean, minimum and count of t_baseline / t_on per target group, layout and
+    baseline (prefill: sequence length >= 4096 only, as the targets are stated)."""
+    min_seq = TARGETS[benchmark]["min_seq"]
+    bases = baselines_present(groups)
+    header = ["group", "layout", "baseline", "workloads", "geomean t_base / t_on", "min",
+              "slower workloads"]
+    layouts = sorted({k[1] for k in groups})
+    lines = []
+    for group in ("fine-grained", "coarse", "other", "all"):
+        for layout in layouts + ["all"]:
+            for base in bases:
+                values = [
+                    s for (model, lay, _, seq, _), g in groups.items()
+                    if (group == "all" or group_of(model) == group)
+                    and (layout == "all" or lay == layout) and seq >= min_seq
+                    and (s := speedup(g, base)) is not None
+                ]
+                if not values:
+                    continue
+                lines.append([group, layout, base, str(len(values)),
+                              _fmt(geomean(values), ".3f"), _fmt(min(values), ".3f"),
+                              str(sum(v < 1.0 for v in values))])
+    return _table(header, lines)
+
+
+def target_lines(groups: dict, benchmark: str) -> list[str]:
+    """Each target of `benchmark`, its measured value and "met" / "MISSED" / "not measured"."""
+    target = TARGETS[benchmark]
+    base, min_seq = target["baseline"], target["min_seq"]
+    seq_note = f" at seq >= {min_seq}" if min_seq else ""
+    fine = [s for (m, _, _, seq, _), g in groups.items()
+            if m in FINE_GRAINED and seq >= min_seq and (s := speedup(g, base)) is not None]
+    gm = geomean(fine)
+    lines = []
+    if gm is None:
+        lines.append(f"* geomean over `{base}`, fine-grained models{seq_note}: not measured")
+    else:
+        verdict = "met" if gm >= target["geomean"] else "MISSED"
+        lines.append(f"* geomean over `{base}`, fine-grained models{seq_note}, all layouts: "
+                     f"**{gm:.3f}x** (target >= {target['geomean']}x): **{verdict}**")
+    every = [(s, m, lay, seq, b) for (m, lay, _, seq, _), g in groups.items() if seq >= min_seq
+             for b in BASELINE_ORDER if (s := speedup(g, b)) is not None]
+    if not every:
+        lines.append(f"* never slower than a baseline{seq_note}: not measured")
+    else:
+        worst = min(every)
+        slower = sum(s < 1.0 for s, *_ in every)
+        verdict = "met" if slower == 0 else "MISSED"
+        lines.append(
+            f"* never slower than any baseline{seq_note}: {slower} of {len(every)} "
+            f"(workload, baseline) pairs slower; worst {worst[0]:.3f}x ({worst[1]}, "
+            f"{worst[2]}, seq {worst[3]}, vs {worst[4]}): **{verdict}**")
+    extras = [(e, m, lay, seq) for (m, lay, _, seq, _), g in groups.items()
+              if (e := memory_extra(g)) is not None]
+    if not extras:
+        lines.append("* extra peak memory <= 10 % of `off`'s: not measured")
+    else:
+        worst = max(extras)
+        verdict = "met" if worst[0] <= MEMORY_TARGET else "MISSED"
+        lines.append(f"* extra peak memory vs `off` (own peak): at most **{worst[0]:+.1%}** "
+                     f"({worst[1]}, {worst[2]}, seq {worst[3]}; target <= "
+                     f"{MEMORY_TARGET:.0%}): **{verdict}**")
+    return lines
+
+
+def labels_section(rows: list[dict]) -> str:
+    """Every distinct (benchmark, variant, label, experts_impl), and skipped baselines."""
+    seen, lines = set(), []
+    for row in rows:
+        key = (row["benchmark"], row["variant"], row.get("label") or "-",
+               row.get("experts_impl") or "-")
+        if key not in seen:
+            seen.add(key)
+            lines.append([f"`{k}`" if i < 2 else k for i, k in enumerate(key)])
+    lines.sort()
+    text = _table(["benchmark", "variant", "label", "experts ran"], lines)
+    skipped = {(v, r) for row in rows for v, r in (row.get("skipped_baselines") or {}).items()}
+    for variant, reason in sorted(skipped):
+        text += f"\n\n`{variant}` was not run: {reason}."
+    return text
+
+
+def environment_section(rows: list[dict]) -> str:
+    """Distinct hardware/software combinations of the rows, with their time span."""
+    fields = ("gpu", "world_size", "python", "torch", "cuda", "triton", "megatron_core",
+              "megatron_overlap", "transformer_engine", "grouped_mm", "git_sha")
+    combos: dict = {}
+    for row in rows:
+        key = tuple("-" if row.get(f) is None else str(row.get(f)) for f in fields)
+        stamps = combos.setdefault(key, [])
+        stamps.append(str(row.get("timestamp", "")))
+    lines = [list(key) + [f"{min(st)} .. {max(st)}", str(len(st))] for key, st in combos.items()]
+    return _table(list(fields) + ["timestamps (UTC)", "rows"], lines)
+
+
+def commands_section(rows: list[dict], paths: Sequence[str], out: str) -> str:
+    """The launch commands recorded in the rows, and the command that made this report."""
+    commands = sorted({row["command"] for row in rows if row.get("command")})
+    text = "Benchmarks (as recorded in the rows; each after `source scripts/device_setup.sh`):\n\n"
+    text += "```\n" + ("\n".join(commands) if commands else "(rows predate command recording)")
+    text += "\n```\n\nThis report:\n\n```\npython -m megatron_overlap.bench.make_report "
+    text += " ".join(shlex.quote(p) for p in paths) + f" --out {shlex.quote(out)}\n```"
+    return text
+
+
+def disagreements(rows: list[dict]) -> list[str]:
+    """One line per row whose variant did not agree with "off"."""
+    return [f"* {r['benchmark']} {r['model']} {r['layout']} seq {r['seq_length']} "
+            f"{r['variant']}: {r.get('criterion', '')}; errors {json.dumps(r.get('errors'))}"
+            for r in rows if not r.get("agree", False)]
+
+
+def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
+           plots: dict) -> str:
+    """The whole report as markdown.
+
+    Args:
+        rows: selected rows (`select_rows`).
+        notes: skip counts from `load_rows` and `select_rows`.
+        paths, out: the input files and the report path (for the regeneration command).
+        plots: {benchmark: PNG file name relative to the report, or None}.
+    """
+    parts = ["# Benchmark report: MoE layer and full-model prefill, flag on vs off", ""]
+    parts.append(
+        f"Generated by `megatron_overlap.bench.make_report` from {notes['files']} file(s): "
+        f"{len(rows)} rows used; skipped {notes['foreign']} rows of other benchmarks, "
+        f"{notes['cpu']} CPU rows, {notes['superseded']} older duplicates. Speedup = "
+        "t_baseline / t_on of p50 times (> 1: the flag is faster); every time is the slowest "
+        "rank's. Memory = own peak per rank (parameters + symmetric workspace + largest "
+        "forward transient; `megatron_overlap.bench.measure`). Tables and targets: "
+        "`megatron_overlap/bench/make_report.py`; where time goes inside the fused op: "
+        "`docs/perf_notes.md`.")
+    for benchmark, title in (("layer", "MoE layer (`launch/bench_layer.py`)"),
+                             ("prefill", "Full-model prefill (`launch/prefill.py`)")):
+        groups = workloads(rows, benchmark)
+        parts += ["", f"## {title}", ""]
+        if not groups:
+            parts.append("No rows in the inputs: the GPU grid is `source scripts/device_setup.sh "
+                         "&& bash scripts/gpu_bench_all.sh` (README, \"The benchmarks and the "
+                         "report\").")
+            continue
+        parts += ["Targets:", ""] + target_lines(groups, benchmark)
+        parts += ["", "Geometric means of t_baseline / t_on" + (
+            " (sequence length >= 4096)" if TARGETS[benchmark]["min_seq"] else "") + ":", ""]
+        parts.append(geomean_table(groups, benchmark))
+        if plots.get(benchmark):
+            parts += ["", f"![{benchmark} speedup vs sequence length]({plots[benchmark]})"]
+        parts += ["", "Every workload:", "", workload_table(groups, benchmark)]
+    parts += ["", "## Variants, exactly", "", labels_section(rows)]
+    bad = disagreements(rows)
+    parts += ["", "## Agreement with flag off", ""]
+    parts += bad or [("Every variant agreed with `off` on every workload (criterion in each "
+                      "row's `criterion` field).")]
+    parts += ["", "## Hardware and software", "", environment_section(rows)]
+    parts += ["", "## Commands", "", commands_section(rows, paths, out), ""]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------
+
+
+def plot(groups: dict, benchmark: str, path: str) -> bool:
+    """t_baseline / t_on against sequence length, one panel per (model, layout), one line
+    per baseline; a dashed line at 1 (and the target). Returns False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels: dict = {}
+    for (model, layout, layers, seq, backend), g in groups.items():
+        panels.setdefault((model, layout, layers, backend), []).append((seq, g))
+    bases = baselines_present(groups)
+    cols = max(1, len({k[1] for k in panels}))
+    layouts = sorted({k[1] for k in panels})
+    models = sorted({k[0] for k in panels}, key=_model_rank)
+    fig, axes = plt.subplots(len(models), cols, figsize=(4.2 * cols, 2.8 * len(models)),
+                             squeeze=False)
+    for ax_row in axes:
+        for ax in ax_row:
+            ax.set_visible(False)
+    for (model, layout, layers, backend), points in panels.items():
+        ax = axes[models.index(model)][layouts.index(layout)]
+        ax.set_visible(True)
+        tag = f" [{backend}]" if backend not in ("auto", "-") else ""
+        for base in bases:
+            xs = [seq for seq, g in points if speedup(g, base) is not None]
+            ys = [speedup(g, base) for seq, g in points if speedup(g, base) is not None]
+            if xs:
+                ax.plot(xs, ys, marker="o", label=f"vs {base}{tag}")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        if model in FINE_GRAINED:
+            ax.axhline(TARGETS[benchmark]["geomean"], color="grey", linewidth=0.8,
+                       linestyle=":")
+        seqs = sorted({seq for k, pts in panels.items() if k[:2] == (model, layout)
+                       for seq, _ in pts})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqs, [str(x) for x in seqs])
+        ax.minorticks_off()
+        ax.set_title(f"{model} {layout}" + (f" ({layers} layers)" if layers else ""),
+                     fontsize=8)
+        ax.set_xlabel("sequence length", fontsize=7)
+        ax.set_ylabel("t_base / t_on", fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"{benchmark}: speedup of moe_gatherrs_overlap (> 1 faster; dotted: target)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the report (and its PNGs); print where. Exit status 0, 2 on bad input."""
+    parser = argparse.ArgumentParser(prog="python -m megatron_overlap.bench.make_report",
+                                     description="Markdown report of layer/prefill rows")
+    parser.add_argument("jsonl", nargs="+", help="JSON-lines files of benchmark rows")
+    parser.add_argument("--out", default="docs/report.md", help="report path (default "
+                        "docs/report.md); PNGs are written next to it")
+    parser.add_argument("--include-cpu", action="store_true",
+                        help="keep rows measured on a CPU (tests; not benchmark numbers)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    args = parser.parse_args(argv)
+    try:
+        raw, notes = load_rows(args.jsonl)
+    except ValueError as err:
+        parser.error(str(err))
+    rows, more = select_rows(raw, include_cpu=args.include_cpu)
+    notes.update(more)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    for benchmark in ("layer", "prefill"):
+        groups = workloads(rows, benchmark)
+        png = out.with_name(f"{out.stem}_{benchmark}.png")
+        if groups and not args.no_plots and plot(groups, benchmark, str(png)):
+            plots[benchmark] = png.name
+    out.write_text(render(rows, notes, args.jsonl, args.out, plots))
+    print(f"wrote {out} ({len(rows)} rows" + "".join(
+        f", {out.with_name(p)}" for p in plots.values()) + ")", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

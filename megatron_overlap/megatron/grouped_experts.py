@@ -1,0 +1,353 @@
+"""Stacked expert weights and grouped expert GEMMs for `SequentialMLP`-shaped experts.
+
+Megatron's `SequentialMLP` (experts.py:1260) keeps one `MLP` per local expert, each with its
+own `linear_fc1.weight` [I, H] and `linear_fc2.weight` [H, F], and runs them one expert at a
+time. Two things here make the same parameters usable by one grouped GEMM per projection
+without changing their names, shapes or values:
+
+* `stack_parameters_`: re-homes a list of equally shaped parameters into one contiguous
+  [L, ...] storage (`param.data = stacked[i]`); the `Parameter` objects (and their Megatron
+  attributes, optimizer references, state-dict names) stay the same.
+* `stacked_view`: at call time, a zero-copy [L, ...] view over such parameters *if they are
+  still laid out that way* (same storage, equally spaced, contiguous). Anything that
+  re-points a parameter (Megatron's DDP parameter buffer, `load_state_dict(assign=True)`,
+  `param.data = ...`) breaks the layout; `stacked_weights` then falls back to `torch.stack`
+  (a copy), which is always correct.
+
+What `torch.save` and checkpoints do with the views: a `state_dict()` of re-homed
+parameters holds L views of one storage. `torch.save` writes each storage once, so the file
+is the same size as before and `torch.load` returns views of one storage again; but saving
+a *single* expert's tensor on its own writes the whole [L, ...] storage (clone it first).
+`load_state_dict` copies in place (`param.copy_`) and keeps the layout; safetensors'
+`save_file` refuses tensors that share storage (clone, or use its `save_model`). Megatron's
+distributed checkpointing (`sharded_state_dict`) sees the same per-expert tensors as before.
+
+Shape symbols: N rows (tokens routed to this rank's experts), H hidden size, F per-expert
+FFN width on this expert-TP rank, I = 2F for a gated linear unit (else F), L local experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.mlp import MLP
+
+__all__ = [
+    "expert_matmul",
+    "grouped_fc1_activation",
+    "grouped_fc1_unsupported_reason",
+    "grouped_mm_name",
+    "mlp_parts_replaced",
+    "stack_parameters_",
+    "stacked_view",
+    "stacked_weights",
+]
+
+GROUPED_ACTIVATIONS = (F.silu, F.gelu)
+"""`config.activation_func` values the grouped FC1 path takes (gated: SwiGLU / GeGLU)."""
+
+_refused: dict = {}  # (device type, dtype, K, O) -> the grouped GEMM's error, once it refused
+
+
+# --------------------------------------------------------------------------------------
+# Stacked parameters
+# --------------------------------------------------------------------------------------
+
+
+def _check_same_layout(tensors: Sequence[torch.Tensor], what: str) -> None:
+    if len(tensors) == 0:
+        raise ValueError(f"{what}: expected at least one tensor, got none")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{i}]: expected a tensor, got {type(t).__name__}")
+    first = tensors[0]
+    for i, t in enumerate(tensors[1:], start=1):
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(
+                f"{what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
+                f"{tuple(first.shape)} {first.dtype} on {first.device} like {what}[0]"
+            )
+
+
+def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A zero-copy [L, *shape] view over `tensors`, or None when they are not laid out so.
+
+    The view exists when every tensor is contiguous, all live in one storage, and tensor i
+    starts exactly i * numel elements after tensor 0 (checked on `data_ptr()`s). It is then
+    contiguous: strides (numel, *tensors[0].stride()); e.g. FC2 weights [H, F] give
+    [L, H, F] with strides (H * F, F, 1). The view is detached (no autograd history).
+
+    Args:
+        tensors: L >= 1 tensors of equal shape, dtype and device.
+
+    Raises:
+        ValueError: empty, or shapes / dtypes / devices differ.
+        TypeError: an element is not a tensor.
+    """
+    _check_same_layout(tensors, "tensors")
+    first = tensors[0]
+    if first.numel() == 0 or not all(t.is_contiguous() for t in tensors):
+        return None
+    step_bytes = first.numel() * first.element_size()
+    storage_ptr = first.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if t.untyped_storage().data_ptr() != storage_ptr:
+            return None
+        if t.data_ptr() != first.data_ptr() + i * step_bytes:
+            return None
+    shape = (len(tensors), *first.shape)
+    strides = (first.numel(), *first.stride())
+    return first.detach().as_strided(shape, strides, first.storage_offset())
+
+
+def stack_parameters_(params: Sequence[torch.nn.Parameter]) -> bool:
+    """Re-home `params` into one contiguous [L, *shape] storage, in place.
+
+    After the call `stacked_view(params)` is not None. Values, `Parameter` objects, their
+    attributes and `requires_grad` are unchanged; only `.data` moves (one copy, so the
+    expert weights briefly take twice their memory). Already stacked parameters are left
+    alone (no copy).
+
+    Args:
+        params: L >= 1 parameters of equal shape, dtype and device.
+
+    Returns:
+        True when a copy was made, False when they were stacked already.
+
+    Raises:
+        ValueError, TypeError: as `stacked_view`.
+    """
+    if stacked_view(params) is not None:
+        return False
+    with torch.no_grad():
+        stacked = torch.stack([p.detach() for p in params])
+        for i, p in enumerate(params):
+            p.data = stacked[i]
+    return True
+
+
+def _autograd_recording(tensors: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def stacked_weights(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, str]:
+    """The [L, *shape] stack of `tensors`, zero-copy where possible.
+
+    Returns:
+        (stack, how): how = "view" (`stacked_view`, no copy; only while autograd is not
+        recording for these tensors, since the view has no gradient path to tensors 1..L-1)
+        or "stack" (`torch.stack`, a contiguous copy, differentiable). Either way the result
+        is contiguous.
+
+    Raises:
+        ValueError, TypeError: as `stacked_view`.
+    """
+    if not _autograd_recording(tensors):
+        view = stacked_view(tensors)
+        if view is not None:
+            return view, "view"
+    else:
+        _check_same_layout(tensors, "tensors")
+    return torch.stack(list(tensors)), "stack"
+
+
+# --------------------------------------------------------------------------------------
+# Grouped GEMM
+# --------------------------------------------------------------------------------------
+
+
+def _grouped_mm_fn():
+    fn = getattr(F, "grouped_mm", None)
+    if fn is not None:
+        return fn, "torch.nn.functional.grouped_mm"
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is not None:
+        return fn, "torch._grouped_mm"
+    return None, "loop"
+
+
+def grouped_mm_name() -> str:
+    """Which grouped GEMM this torch has: "torch.nn.functional.grouped_mm",
+    "torch._grouped_mm", or "loop" (neither: one matmul per expert)."""
+    return _grouped_mm_fn()[1]
+
+
+def _counts(tokens_per_expert: torch.Tensor | Sequence[int], num_experts: int,
+            num_rows: int) -> list[int]:
+    if isinstance(tokens_per_expert, torch.Tensor):
+        counts = [int(c) for c in tokens_per_expert.tolist()]
+    else:
+        counts = [int(c) for c in tokens_per_expert]
+    if len(counts) != num_experts or any(c < 0 for c in counts) or sum(counts) != num_rows:
+        raise ValueError(
+            f"tokens_per_expert={counts}: expected {num_experts} non-negative counts summing "
+            f"to the {num_rows} rows of x"
+        )
+    return counts
+
+
+def expert_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tokens_per_expert: torch.Tensor | Sequence[int],
+) -> tuple[torch.Tensor, str]:
+    """y = x_l @ weight[l]^T for each expert l's block of rows, as one grouped GEMM.
+
+    Args:
+        x: [N, K] rows grouped by expert (expert 0's rows first), any float dtype.
+        weight: [L, O, K] per-expert weights in Megatron's [out, in] layout, x's dtype and
+            device (e.g. stacked `linear_fc1.weight`s, O = I, K = H).
+        tokens_per_expert: [L] rows of each expert (tensor or sequence of ints), sum N.
+
+    Returns:
+        (y [N, O] in x's dtype, impl): impl names what ran: `grouped_mm_name()`, or "loop"
+        (one matmul per expert) where torch has no grouped GEMM or refused this device /
+        dtype / alignment (warned once per device type, dtype and K, O).
+
+    Raises:
+        ValueError: shapes disagree, or the counts do not sum to N.
+        TypeError: dtypes or devices differ.
+    """
+    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"x must be [N, K] and weight [L, O, K]; got x {tuple(x.shape)}, weight "
+            f"{tuple(weight.shape)}"
+        )
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise TypeError(
+            f"x is {x.dtype} on {x.device} but weight is {weight.dtype} on {weight.device}"
+        )
+    num_experts = weight.shape[0]
+    counts = _counts(tokens_per_expert, num_experts, x.shape[0])
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[1]), "none (no rows)"
+    fn, name = _grouped_mm_fn()
+    key = (x.device.type, x.dtype, x.shape[1], weight.shape[1])  # refusals: dtype/alignment
+    if fn is not None and key not in _refused:
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+        try:
+            return fn(x, weight.transpose(1, 2), offs=offs.to(x.device, non_blocking=True)), name
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+            # torch's checks (dtype, alignment, architecture) raise before any work is queued
+            _refused[key] = str(err)
+            warnings.warn(
+                f"{name} refused {x.dtype} on {x.device.type} ({err}); the expert GEMMs run "
+                "one matmul per expert there",
+                stacklevel=2,
+            )
+    blocks = torch.split(x, counts)
+    return torch.cat([block @ weight[i].t() for i, block in enumerate(blocks)]), "loop"
+
+
+# --------------------------------------------------------------------------------------
+# FC1 + activation of all local experts at once
+# --------------------------------------------------------------------------------------
+
+
+class _Passthrough(torch.nn.Module):
+    """Stands in for an MLP's `linear_fc1` / `linear_fc2`: returns its input and no bias."""
+
+    def forward(self, x: torch.Tensor):
+        return x, None
+
+
+@contextlib.contextmanager
+def mlp_parts_replaced(mlps: Sequence[MLP], *, fc1: bool = False,
+                       fc2: bool = False) -> Iterator[None]:
+    """Within the block, the chosen linear layers of each MLP return their input unchanged.
+
+    With fc2=True, `MLP.forward` stops after the activation (and the router probabilities);
+    with fc1=True as well, it applies only the activation to a precomputed FC1 output.
+    Reusing Megatron's own `MLP.forward` (mlp.py:257) rather than a copy of its activation
+    code keeps every activation variant (GLU, clamps, offsets, fused kernels, per-token
+    probs and their dtype handling) exactly as with the flag off.
+    """
+    names = [n for n, on in (("linear_fc1", fc1), ("linear_fc2", fc2)) if on]
+    saved = [{n: m._modules[n] for n in names} for m in mlps]
+    try:
+        for m in mlps:
+            for n in names:
+                m._modules[n] = _Passthrough()
+        yield
+    finally:
+        for m, parts in zip(mlps, saved):
+            m._modules.update(parts)
+
+
+def grouped_fc1_unsupported_reason(experts: torch.nn.Module,
+                                   x: torch.Tensor | None = None) -> str | None:
+    """Why `grouped_fc1_activation` cannot stand in for the experts' FC1 loop, or None.
+
+    Supported: a `SequentialMLP` with >= 2 local experts whose `linear_fc1` are Megatron
+    `ColumnParallelLinear`s without bias and without GTP sharding, `activation_func` F.silu
+    or F.gelu (gated or not) computed by Megatron's torch code (not TE's), no fp8/fp4, no
+    `moe_apply_probs_on_input`, and autograd not recording (the grouped path is for
+    inference / prefill; training keeps Megatron's per-expert loop and its backward).
+
+    Args:
+        experts: a `SequentialMLP` (or subclass).
+        x: the rows about to go through FC1 (for the autograd check), if known.
+    """
+    config = experts.config
+    mlps = list(experts.local_experts)
+    if len(mlps) < 2:
+        return "one local expert (its FC1 is one GEMM already)"
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        return "fp8/fp4 experts"
+    if getattr(config, "moe_apply_probs_on_input", False):
+        return "moe_apply_probs_on_input"
+    if getattr(config, "use_te_activation_func", False):
+        return "use_te_activation_func (Transformer Engine activation module)"
+    if config.activation_func not in GROUPED_ACTIVATIONS:
+        name = getattr(config.activation_func, "__name__", repr(config.activation_func))
+        return f"activation_func {name} (grouped FC1 supports silu/swiglu and gelu)"
+    for i, mlp in enumerate(mlps):
+        fc1 = mlp.linear_fc1
+        if type(fc1) is not ColumnParallelLinear:
+            return f"local expert {i}'s linear_fc1 is {type(fc1).__name__}, not ColumnParallelLinear"
+        if fc1.weight is None or getattr(fc1, "bias", None) is not None:
+            return f"local expert {i}'s linear_fc1 has no weight parameter or has a bias"
+        if getattr(fc1, "gtp_remat_size", 1) > 1:
+            return f"local expert {i}'s linear_fc1 is GTP-sharded"
+    params = [m.linear_fc1.weight for m in mlps]
+    if _autograd_recording(params + ([x] if x is not None else [])):
+        return "autograd is recording (training keeps Megatron's per-expert loop)"
+    return None
+
+
+def grouped_fc1_activation(
+    experts: torch.nn.Module,
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor | Sequence[int],
+    probs: torch.Tensor,
+) -> tuple[torch.Tensor, str]:
+    """FC1 of all local experts as one grouped GEMM, then Megatron's activation and probs.
+
+    Equals `SequentialMLP.forward` stopped before FC2 (within the GEMM's rounding: one
+    grouped GEMM instead of L matmuls, both accumulating in fp32), because everything after
+    FC1 in `MLP.forward` is row-wise: the activation (GLU chunks the last dim) and the
+    per-row probability scale run once over all N rows through expert 0's own
+    `MLP.forward` with FC1 and FC2 passed through (`mlp_parts_replaced`).
+
+    Args:
+        experts: a `SequentialMLP` for which `grouped_fc1_unsupported_reason` is None.
+        x: [N, H] rows grouped by local expert.
+        tokens_per_expert: [L] rows per local expert.
+        probs: [N] router probability of each row.
+
+    Returns:
+        ([N, F] activations with probs applied, x's dtype; what ran the GEMM:
+        "grouped FC1: <impl>" with impl from `expert_matmul`, plus ", weights view|stack").
+    """
+    mlps = list(experts.local_experts)
+    w1, how = stacked_weights([m.linear_fc1.weight for m in mlps])  # [L, I, H]
+    fc1, impl = expert_matmul(x, w1, tokens_per_expert)  # [N, I]
+    with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
+        h, bias = mlps[0].forward(fc1, probs)  # not __call__: expert 0's hooks stay quiet
+    assert bias is None
+    return h, f"grouped FC1: {impl}, weights {how}"

@@ -1,0 +1,186 @@
+"""launch/bench_layer.py end to end on the CPU (tiny model, gloo), as a user runs it.
+
+* world 1 (`python3 launch/bench_layer.py`) and world 2 (`torchrun`, layouts ep2 and tp2 with
+  SP): exit status 0, one summary line per workload, well-formed rows for "off", "on" and
+  "off-grouped" that agree, "off-te" skipped with its reason where Transformer Engine is
+  missing;
+* a broken flag-on path (routed output halved) exits with status 1 and says which variant;
+* a bad layout exits with status 2; layout parsing.
+
+Quick by design (one short sequence, 1 warm-up + 2 timed forwards): correctness and row
+writing, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "launch" / "bench_layer.py"
+SEQ = 32
+COMMON = ["--device", "cpu", "--model", "tiny", "--seq-lengths", str(SEQ), "--warmup", "1",
+          "--iters", "2"]
+TIMEOUT_S = 240
+FP32_TOLERANCE = 1e-5  # bench_layer.TOLERANCE["fp32"]
+
+BROKEN_FLAG_ON = """
+import runpy, sys
+from megatron_overlap.megatron.moe_layer import GatherRSMoELayer
+
+original = GatherRSMoELayer.routed_experts_compute
+
+def halved(self, hidden_states, probs):
+    output, bias = original(self, hidden_states, probs)
+    return (output * 0.5 if self.gatherrs else output), bias
+
+GatherRSMoELayer.routed_experts_compute = halved
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _launch(tmp_path: Path, nproc: int, *args: str, script: Path = LAUNCHER):
+    out = tmp_path / "layer.jsonl"
+    cmd = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}"]
+    cmd.append(str(script))
+    if script != LAUNCHER:
+        cmd.append(str(LAUNCHER))
+    cmd += [*COMMON, *args, "--out", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return proc, rows
+
+
+def _explain(proc: subprocess.CompletedProcess) -> str:
+    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
+            f"{proc.stderr[-4000:]}")
+
+
+@functools.cache
+def _module():
+    spec = importlib.util.spec_from_file_location("bench_layer_launcher", LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _te_imports() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _check_rows(rows: list, layouts: dict, world: int) -> None:
+    """layouts: {layout name: (tp, dp)}."""
+    expected = ["off", "on", "off-grouped"] + (["off-te"] if _te_imports() else [])
+    by_layout = {}
+    for row in rows:
+        by_layout.setdefault(row["layout"], []).append(row)
+    assert sorted(by_layout) == sorted(layouts), sorted(by_layout)
+    for layout, (tp, dp) in layouts.items():
+        group = by_layout[layout]
+        assert [r["variant"] for r in group] == expected, layout
+        on = next(r for r in group if r["variant"] == "on")
+        for r in group:
+            assert r["schema"] == "megatron_overlap.layer/1" and r["benchmark"] == "layer"
+            assert (r["model"], r["seq_length"], r["world_size"]) == ("tiny", SEQ, world)
+            assert (r["tp"], r["dp"], r["sequence_parallel"]) == (tp, dp, tp > 1)
+            assert r["tokens_per_rank"] == SEQ // tp and r["global_tokens"] == SEQ * dp
+            assert r["agree"] is True, r
+            assert len(r["ms_all"]) == 2 and 0 < r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"]
+            assert r["speedup_over_on"] == pytest.approx(r["ms_p50"] / on["ms_p50"])
+            assert r["label"] and r["experts_impl"]
+            assert r["dtype"] == "fp32" and r["gpu"] == "cpu" and r["own_peak_bytes"] is None
+            assert r["param_bytes"] > 0
+            assert r["torch"] == torch.__version__ and r["megatron_core"].startswith("0.19")
+            if not _te_imports():
+                assert "Transformer Engine" in r["skipped_baselines"]["off-te"]
+            if r["variant"] != "off":
+                assert r["errors"]["max_rel_diff"] <= FP32_TOLERANCE, r["errors"]
+                assert r["errors"]["nonfinite"] == 0
+        assert on["backend"] == "reference" and on["fused_calls"] == 2
+        assert on["moe_gatherrs_overlap"] is True
+        assert "GatherRSSequentialMLP" in on["label"] and "plan" in on["label"]
+        grouped = next(r for r in group if r["variant"] == "off-grouped")
+        assert "GroupedGEMMSequentialMLP" in grouped["label"]
+        assert grouped["experts_impl"].startswith("grouped FC1:"), grouped["experts_impl"]
+
+
+@pytest.mark.slow
+def test_bench_layer_world1(tmp_path):
+    proc, rows = _launch(tmp_path, 1)
+    assert proc.returncode == 0, _explain(proc)
+    assert f"layer tiny tp1/ep1/dp1/sp0 seq {SEQ}: off " in proc.stdout, _explain(proc)
+    if not _te_imports():
+        assert "skipping off-te: Transformer Engine" in proc.stdout, _explain(proc)
+    _check_rows(rows, {"tp1/ep1/dp1/sp0": (1, 1)}, 1)
+    # The report reads these rows (CPU rows only with --include-cpu).
+    from megatron_overlap.bench import make_report
+
+    report = tmp_path / "report.md"
+    assert make_report.main([str(tmp_path / "layer.jsonl"), "--out", str(report),
+                             "--include-cpu", "--no-plots"]) == 0
+    text = report.read_text()
+    assert f"| tiny | tp1/ep1/dp1/sp0 | {SEQ} |" in text and "python3 launch/bench_layer.py" in text
+
+
+@pytest.mark.slow
+def test_bench_layer_world2_ep_and_tp(tmp_path):
+    proc, rows = _launch(tmp_path, 2, "--layouts", "ep2", "tp2")
+    assert proc.returncode == 0, _explain(proc)
+    _check_rows(rows, {"tp1/ep2/dp2/sp0": (1, 2), "tp2/ep1/dp1/sp1": (2, 1)}, 2)
+
+
+@pytest.mark.slow
+def test_broken_flag_on_exits_1(tmp_path):
+    wrapper = tmp_path / "broken.py"
+    wrapper.write_text(BROKEN_FLAG_ON)
+    proc, rows = _launch(tmp_path, 1, "--baselines", "off", script=wrapper)
+    assert proc.returncode == 1, _explain(proc)
+    assert "ERROR: on disagrees with off" in proc.stderr, _explain(proc)
+    assert "DISAGREE: ['on']" in proc.stdout, _explain(proc)
+    on = next(r for r in rows if r["variant"] == "on")
+    assert on["agree"] is False and on["errors"]["max_rel_diff"] > 0.1
+
+
+def test_bad_layout_exits_2(tmp_path):
+    proc, rows = _launch(tmp_path, 1, "--layouts", "ep3")
+    assert proc.returncode == 2, _explain(proc)
+    assert "tp1ep3" in proc.stderr and "world size 1" in proc.stderr, _explain(proc)
+    assert rows == []
+
+
+@pytest.mark.parametrize("text, layout", [("ep2", (1, 2)), ("tp2", (2, 1)),
+                                          ("tp2ep4", (2, 4)), ("tp1ep1", (1, 1))])
+def test_parse_layout(text, layout):
+    assert _module().parse_layout(text) == layout
+
+
+@pytest.mark.parametrize("text", ["", "pp2", "ep", "tp0", "ep2tp2", "tp-1"])
+def test_parse_layout_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        _module().parse_layout(text)

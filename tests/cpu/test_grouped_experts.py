@@ -1,0 +1,406 @@
+"""Stacked expert weights, the zero-copy FC2 view, its fallback, and the grouped FC1.
+
+* `stacked_view` / `stack_parameters_` / `stacked_weights` / `expert_matmul` on plain
+  tensors (no process group);
+* through real Megatron modules under gloo (world 1: every layout/fallback case; world 2:
+  EP = 2 and TP = 2 with SP): flag-on experts keep their weights in one storage, `fc2_weight`
+  is a zero-copy view with strides (H * F, F, 1), re-pointed parameters fall back to
+  `torch.stack`, autograd gets a differentiable stack, `.to()` re-stacks, strict state-dict
+  loads work both ways (and through `torch.save` / `torch.load`), and the grouped FC1
+  (forced on the CPU with `fc1_impl="grouped"`) matches Megatron's per-expert loop and the
+  flag-off layer.
+
+Tolerances (relative to the largest |reference|): the grouped FC1 against the loop: 1e-6 in
+fp32 (same products, at most a different summation order inside the GEMM; measured 0 on
+torch 2.13 CPU) and 2^-8 in bf16 (one bf16 rounding of the output, unit roundoff 2^-9, x2);
+whole layers flag on vs off: `test_megatron_flag.TOLERANCE` (1e-5 fp32, 2^-6 bf16, reasons
+there).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_overlap.megatron.grouped_experts import (
+    expert_matmul,
+    grouped_mm_name,
+    stack_parameters_,
+    stacked_view,
+    stacked_weights,
+)
+from tests.support.asserts import describe_mismatch
+from tests.support.dist import for_each_case, run_distributed
+
+LAYER_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
+FC1_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
+
+# --------------------------------------------------------------------------------------
+# Plain tensors
+# --------------------------------------------------------------------------------------
+
+
+def test_stacked_view_of_stacked_rows():
+    base = torch.arange(4 * 3 * 5, dtype=torch.float32).view(4, 3, 5)
+    view = stacked_view([base[i] for i in range(4)])
+    assert view is not None
+    assert view.data_ptr() == base.data_ptr() and view.stride() == (15, 5, 1)
+    assert torch.equal(view, base)
+
+
+def test_stacked_view_none_when_not_laid_out():
+    base = torch.randn(6, 3, 5)
+    assert stacked_view([base[0], base[2], base[4]]) is None  # gaps
+    assert stacked_view([base[1], base[0]]) is None  # out of order
+    assert stacked_view([torch.randn(3, 5), torch.randn(3, 5)]) is None  # two storages
+    assert stacked_view([base[0].t(), base[1].t()]) is None  # not contiguous
+
+
+def test_stacked_view_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least one"):
+        stacked_view([])
+    with pytest.raises(ValueError, match=r"tensors\[1\]"):
+        stacked_view([torch.randn(3, 5), torch.randn(5, 3)])
+    with pytest.raises(TypeError, match="expected a tensor"):
+        stacked_view([torch.randn(3), [1.0, 2.0, 3.0]])
+
+
+def test_stack_parameters_rehomes_in_place():
+    params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(4)]
+    params[2].partition_dim = 1  # a Megatron-style attribute must survive
+    before = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    assert stack_parameters_(params) is True
+    assert stacked_view(params) is not None
+    assert [id(p) for p in params] == ids
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(p.requires_grad for p in params) and params[2].partition_dim == 1
+    assert stack_parameters_(params) is False  # already stacked: no copy
+
+
+def test_stacked_weights_view_stack_and_autograd():
+    params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(3)]
+    stack_parameters_(params)
+    with torch.no_grad():
+        w, how = stacked_weights(params)
+    assert how == "view" and w.data_ptr() == params[0].data_ptr()
+    w, how = stacked_weights(params)  # autograd recording: differentiable copy
+    assert how == "stack" and w.data_ptr() != params[0].data_ptr()
+    (w * torch.arange(3.0).view(3, 1, 1)).sum().backward()
+    for i, p in enumerate(params):
+        assert torch.equal(p.grad, torch.full((3, 5), float(i)))
+    params[1].data = params[1].data.clone()  # re-pointed (as DDP's buffer would)
+    with torch.no_grad():
+        w, how = stacked_weights(params)
+    assert how == "stack" and torch.equal(w, torch.stack([p.detach() for p in params]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_matmul_matches_per_expert_matmul(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 16, generator=gen).to(dtype)
+    w = torch.randn(4, 24, 16, generator=gen).to(dtype)
+    counts = [10, 0, 25, 5]  # an empty expert too
+    y, impl = expert_matmul(x, w, torch.tensor(counts))
+    ref = torch.cat([b @ w[i].t() for i, b in enumerate(torch.split(x, counts))])
+    assert impl in (grouped_mm_name(), "loop")
+    assert describe_mismatch(y.float(), ref.float(), rel_tol=FC1_TOLERANCE[dtype]) is None
+    empty, impl = expert_matmul(x[:0], w, [0, 0, 0, 0])
+    assert empty.shape == (0, 24) and impl.startswith("none")
+
+
+def test_expert_matmul_rejects_bad_input():
+    x, w = torch.randn(10, 16), torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        expert_matmul(x, w, [3, 3])
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        expert_matmul(x, w, [10, 0, 0])
+    with pytest.raises(ValueError, match=r"weight \[L, O, K\]"):
+        expert_matmul(x, torch.randn(2, 8, 15), [5, 5])
+    with pytest.raises(TypeError, match="dtype|bfloat16"):
+        expert_matmul(x, w.bfloat16(), [5, 5])
+
+
+# --------------------------------------------------------------------------------------
+# Real Megatron modules under gloo
+# --------------------------------------------------------------------------------------
+
+H, FFN = 32, 24
+
+
+@dataclass(frozen=True)
+class Case:
+    tp: int = 1
+    ep: int = 1
+    num_experts: int = 4
+    topk: int = 2
+    dtype: torch.dtype = torch.float32
+    activation: str = "swiglu"  # swiglu | geglu | gelu | relu
+    checks: str = "layer"  # layer | layout (world-1 layout / fallback / checkpoint checks)
+
+
+def _config(case: Case, flag: bool):
+    from megatron_overlap.megatron import GatherRSTransformerConfig
+
+    act, gated = {
+        "swiglu": (F.silu, True),
+        "geglu": (F.gelu, True),
+        "gelu": (F.gelu, False),
+        "relu": (F.relu, False),
+    }[case.activation]
+    return GatherRSTransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        moe_ffn_hidden_size=FFN,
+        num_moe_experts=case.num_experts,
+        moe_router_topk=case.topk,
+        moe_router_pre_softmax=case.topk == 1,  # Megatron requires it for top-1
+        moe_token_dispatcher_type="alltoall",
+        tensor_model_parallel_size=case.tp,
+        expert_model_parallel_size=case.ep,
+        expert_tensor_parallel_size=case.tp,
+        sequence_parallel=case.tp > 1,
+        gated_linear_unit=gated,
+        activation_func=act,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=case.dtype,
+        bf16=case.dtype == torch.bfloat16,
+        moe_gatherrs_overlap=flag,
+        moe_gatherrs_backend="reference",
+    )
+
+
+def _layers(case: Case):
+    """(stock layer, flag-off layer of our spec, flag-on layer), all with the same weights."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_overlap.megatron import use_gatherrs_in_moe_spec
+    from tests.support.megatron_cpu import init_expert_weights
+
+    stock_spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
+    stock = stock_spec(config=_config(case, False))
+    init_expert_weights(stock, seed=7, std=0.2)
+    ours_spec = use_gatherrs_in_moe_spec(stock_spec)
+    off = ours_spec(config=_config(case, False))
+    on = ours_spec(config=_config(case, True))
+    off.load_state_dict(stock.state_dict(), strict=True)
+    on.load_state_dict(stock.state_dict(), strict=True)
+    return stock.eval(), off.eval(), on.eval()
+
+
+def _weights(layer, name):
+    return [getattr(e, name).weight for e in layer.experts.local_experts]
+
+
+def _input(case: Case, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + rank)
+    seq = 16 // case.tp if case.tp > 1 else 16
+    return torch.randn(seq, 2, H, generator=gen).to(case.dtype)
+
+
+def _layer_case(case: Case, rank: int, device: str = "cpu") -> dict:
+    stock, _, on = _layers(case)
+    stock.to(device)
+    on.to(device)  # on CUDA: Module.to moves each weight; _apply re-stacks them
+    x = _input(case, rank).to(device)
+    on.experts.fc1_impl = "grouped"
+    with torch.no_grad():
+        ref, _ = stock(x)
+        grouped, _ = on(x)
+        last_fc1 = on.experts.last_fc1
+        last_fc2 = on.experts.last_fc2_weight
+        on.experts.fc1_impl = "loop"
+        loop, _ = on(x)
+    return {
+        "grouped_vs_stock": describe_mismatch(grouped, ref, rel_tol=LAYER_TOLERANCE[case.dtype]),
+        "loop_vs_stock": describe_mismatch(loop, ref, rel_tol=LAYER_TOLERANCE[case.dtype]),
+        "last_fc1": last_fc1,
+        "last_fc2_weight": last_fc2,
+        "fc2_view": stacked_view(_weights(on, "linear_fc2")) is not None,
+        "fc1_view": stacked_view(_weights(on, "linear_fc1")) is not None,
+        "device": str(_weights(on, "linear_fc2")[0].device.type),
+    }
+
+
+def _fc1_direct(experts, x, counts, probs, impl):
+    experts.fc1_impl = impl
+    with torch.no_grad():
+        h = experts.forward_fc1(x, counts, probs)
+    return h, experts.last_fc1
+
+
+def _layout_case(case: Case, rank: int) -> dict:
+    """World-1 checks of the weight layout, the fallbacks and checkpoints."""
+    del rank
+    stock, off, on = _layers(case)
+    experts = on.experts
+    res = {}
+    # Flag off: untouched (L separate allocations); flag on: one storage per projection.
+    res["off_stacks"] = off.experts.stacks_weights
+    res["off_fc2_view"] = stacked_view(_weights(off, "linear_fc2")) is not None
+    res["on_stacks"] = experts.stacks_weights
+    res["on_fc1_view"] = stacked_view(_weights(on, "linear_fc1")) is not None
+    w2_params = _weights(on, "linear_fc2")
+    with torch.no_grad():
+        w2 = experts.fc2_weight()
+    res["fc2_how"] = experts.last_fc2_weight
+    res["fc2_zero_copy"] = w2.data_ptr() == w2_params[0].data_ptr()
+    res["fc2_strides"] = (tuple(w2.shape), w2.stride())
+    res["fc2_values"] = torch.equal(w2, torch.stack([p.detach() for p in w2_params]))
+    # State dicts both ways, strictly, and through torch.save / torch.load.
+    sd = on.state_dict()
+    res["sd_keys_equal"] = sorted(sd) == sorted(stock.state_dict())
+    off.load_state_dict(sd, strict=True)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    key0 = next(k for k in loaded if k.endswith("local_experts.0.linear_fc2.weight"))
+    key1 = key0.replace("local_experts.0.", "local_experts.1.")
+    res["saved_views_share_storage"] = (
+        loaded[key0].untyped_storage().data_ptr() == loaded[key1].untyped_storage().data_ptr()
+    )
+    stock.load_state_dict(loaded, strict=True)
+    on.load_state_dict(stock.state_dict(), strict=True)  # copy_ in place: layout kept
+    res["view_after_load"] = stacked_view(_weights(on, "linear_fc2")) is not None
+    res["values_after_load"] = all(
+        torch.equal(a, b) for a, b in zip(_weights(on, "linear_fc2"), _weights(stock, "linear_fc2"))
+    )
+    # Fallback: a re-pointed parameter (as Megatron's DDP buffer does) -> torch.stack.
+    w2_params[1].data = w2_params[1].data.clone()
+    with torch.no_grad():
+        w2_fallback = experts.fc2_weight()
+    res["fallback_how"] = experts.last_fc2_weight
+    res["fallback_values"] = torch.equal(
+        w2_fallback, torch.stack([p.detach() for p in w2_params])
+    )
+    res["fallback_strides"] = w2_fallback.stride()
+    experts.stack_weights_()
+    with torch.no_grad():
+        experts.fc2_weight()
+    res["restacked_how"] = experts.last_fc2_weight
+    # Autograd recording: a differentiable stack, gradients reach every expert.
+    w2 = experts.fc2_weight()
+    res["grad_how"] = experts.last_fc2_weight
+    w2.sum().backward()
+    res["grads"] = all(p.grad is not None and bool((p.grad == 1).all()) for p in w2_params)
+    # .to(dtype) moves every parameter separately; _apply re-stacks.
+    on.to(torch.bfloat16)
+    res["view_after_to"] = stacked_view(_weights(on, "linear_fc2")) is not None and (
+        stacked_view(_weights(on, "linear_fc1")) is not None
+    )
+    res["dtype_after_to"] = str(_weights(on, "linear_fc2")[0].dtype)
+    on.to(torch.float32)
+    # forward_fc1: grouped (forced) vs Megatron's loop; auto on CPU = loop.
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.tensor([5, 0, 9, 6])
+    x = torch.randn(20, H, generator=gen).to(case.dtype)
+    probs = torch.rand(20, generator=gen)
+    h_loop, how_loop = _fc1_direct(experts, x, counts, probs, "loop")
+    h_grouped, how_grouped = _fc1_direct(experts, x, counts, probs, "grouped")
+    _, how_auto = _fc1_direct(experts, x, counts, probs, "auto")
+    res["fc1_mismatch"] = describe_mismatch(h_grouped, h_loop, rel_tol=FC1_TOLERANCE[case.dtype])
+    res["fc1_how"] = (how_loop, how_grouped, how_auto)
+    experts.fc1_impl = "grouped"
+    x.requires_grad_(True)
+    experts.forward_fc1(x, counts, probs)
+    res["fc1_how_grad"] = experts.last_fc1
+    experts.fc1_impl = "bogus"
+    try:
+        with torch.no_grad():
+            experts.forward_fc1(x, counts, probs)
+        res["bad_impl"] = None
+    except ValueError as err:
+        res["bad_impl"] = str(err)
+    return res
+
+
+def _worker(rank: int, world_size: int, cases: list, device: str = "cpu") -> list:
+    """Run `cases` on this rank; `device="cuda"` (nccl backend) for the GPU test, which runs
+    layer cases only (tests/gpu/test_grouped_experts_gpu.py)."""
+    from tests.support.megatron_cpu import apply_cpu_patches, parallel_state
+
+    if device == "cpu":
+        apply_cpu_patches()
+    del world_size
+
+    def run(case: Case) -> dict:
+        with parallel_state(case.tp, case.ep, seed=1234):
+            if case.checks == "layout":
+                return _layout_case(case, rank)
+            return _layer_case(case, rank, device)
+
+    return for_each_case(cases, run)
+
+
+WORLD1 = [
+    Case(checks="layout"),
+    Case(),
+    Case(dtype=torch.bfloat16),
+    Case(activation="geglu"),
+    Case(activation="gelu"),
+    Case(activation="relu"),  # unsupported activation: stays on the loop
+    Case(num_experts=1, topk=1),  # one local expert: the loop is one GEMM
+]
+WORLD2 = [
+    Case(ep=2),
+    Case(tp=2),
+    Case(ep=2, num_experts=8, topk=3, dtype=torch.bfloat16),
+]
+
+
+def check_layer(case: Case, res: dict, where: str) -> None:
+    """Assert one layer case's result (shared with the GPU test)."""
+    assert res["grouped_vs_stock"] is None, (where, res)
+    assert res["loop_vs_stock"] is None, (where, res)
+    assert res["fc1_view"] and res["fc2_view"], (where, res)
+    assert res["last_fc2_weight"] == "view", (where, res)
+    if case.activation == "relu":
+        assert res["last_fc1"].startswith("loop: activation_func relu"), (where, res)
+    elif case.num_experts // case.ep == 1:
+        assert res["last_fc1"].startswith("loop: one local expert"), (where, res)
+    else:
+        assert res["last_fc1"].startswith(f"grouped FC1: {grouped_mm_name()}"), (where, res)
+        assert res["last_fc1"].endswith("weights view"), (where, res)
+
+
+def _check_layout(res: dict) -> None:
+    assert res["off_stacks"] is False and res["off_fc2_view"] is False, res
+    assert res["on_stacks"] is True and res["on_fc1_view"] is True, res
+    assert res["fc2_how"] == "view" and res["fc2_zero_copy"], res
+    assert res["fc2_strides"] == ((4, H, FFN), (H * FFN, FFN, 1)), res
+    assert res["fc2_values"] and res["sd_keys_equal"], res
+    assert res["saved_views_share_storage"], res
+    assert res["view_after_load"] and res["values_after_load"], res
+    assert res["fallback_how"] == "stack" and res["fallback_values"], res
+    assert res["fallback_strides"] == (H * FFN, FFN, 1), res
+    assert res["restacked_how"] == "view", res
+    assert res["grad_how"] == "stack" and res["grads"], res
+    assert res["view_after_to"] and res["dtype_after_to"] == "torch.bfloat16", res
+    assert res["fc1_mismatch"] is None, res
+    loop, grouped, auto = res["fc1_how"]
+    assert loop == "loop: fc1_impl='loop'", res
+    assert grouped == f"grouped FC1: {grouped_mm_name()}, weights view", res
+    assert auto.startswith("loop: fc1_impl='auto' takes the grouped GEMM on CUDA only"), res
+    assert res["fc1_how_grad"].startswith("loop: autograd is recording"), res
+    assert res["bad_impl"] is not None and "fc1_impl='bogus'" in res["bad_impl"], res
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_flag_on_experts_layout_and_grouped_fc1(world):
+    cases = WORLD1 if world == 1 else WORLD2
+    results = run_distributed(_worker, world, cases, timeout_s=300)
+    for rank, per_rank in enumerate(results):
+        for case, res in zip(cases, per_rank):
+            where = f"world {world} rank {rank} {case}"
+            if case.checks == "layout":
+                _check_layout(res)
+            else:
+                check_layer(case, res, where)

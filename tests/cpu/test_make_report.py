@@ -1,0 +1,150 @@
+"""megatron_overlap.bench.make_report on SYNTHETIC rows (made up here, never benchmark data).
+
+Every number below is invented to exercise the report: geometric means, the target verdicts
+(met / missed), memory percentages, skipping of foreign / CPU / superseded rows, the
+sections, the PNGs, bad input. The GPU name "SYNTHETIC-TEST-GPU" marks them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron_overlap.bench import make_report as mr
+
+SYNTHETIC_GPU = "SYNTHETIC-TEST-GPU"
+
+
+def _row(benchmark, model, layout, seq, variant, ms, *, own=None, agree=True, stamp="T1",
+         gpu=SYNTHETIC_GPU, **extra):
+    schema = {"layer": "megatron_overlap.layer/1", "prefill": "megatron_overlap.prefill/1"}
+    row = {
+        "schema": schema[benchmark], "benchmark": benchmark, "model": model, "layout": layout,
+        "seq_length": seq, "variant": variant, "ms_p50": ms, "own_peak_bytes": own,
+        "agree": agree, "timestamp": stamp, "gpu": gpu, "dtype": "bf16",
+        "backend_requested": "auto", "backend": "triton" if variant == "on" else
+        "megatron-alltoall", "label": f"synthetic {variant}", "experts_impl": "synthetic",
+        "world_size": 2, "torch": "synthetic", "git_sha": "abc", "command": f"cmd-{benchmark}",
+        "criterion": "synthetic", "errors": {"max_rel_diff": 0.0},
+    }
+    if benchmark == "prefill":
+        row.update(num_layers=2, attention="sdpa")
+    row.update(extra)
+    return row
+
+
+def _layer_rows():
+    rows = []
+    # fine-grained: on 10 ms; off-grouped 15 and 12 ms -> 1.5x, 1.2x (geomean sqrt(1.8))
+    for model, grouped in (("qwen3-30b-a3b", 15.0), ("deepseek-v2-lite", 12.0)):
+        rows += [
+            _row("layer", model, "tp1/ep2/dp2/sp0", 4096, "on", 10.0, own=105),
+            _row("layer", model, "tp1/ep2/dp2/sp0", 4096, "off", 20.0, own=100),
+            _row("layer", model, "tp1/ep2/dp2/sp0", 4096, "off-grouped", grouped, own=100,
+                 skipped_baselines={"off-te": "synthetic: no TE"}),
+        ]
+    # coarse: slower than off-grouped (0.8x), more memory (+20 %)
+    rows += [
+        _row("layer", "mixtral-8x7b", "tp2/ep1/dp1/sp1", 8192, "on", 10.0, own=120),
+        _row("layer", "mixtral-8x7b", "tp2/ep1/dp1/sp1", 8192, "off", 11.0, own=100),
+        _row("layer", "mixtral-8x7b", "tp2/ep1/dp1/sp1", 8192, "off-grouped", 8.0, own=100),
+    ]
+    return rows
+
+
+def _prefill_rows():
+    rows = []
+    for seq, off in ((2048, 5.0), (4096, 12.0), (8192, 13.0)):  # 2048 is below the target
+        rows += [_row("prefill", "qwen1.5-moe-a2.7b", "tp1/ep2/dp2/sp0", seq, "on", 10.0,
+                      own=100),
+                 _row("prefill", "qwen1.5-moe-a2.7b", "tp1/ep2/dp2/sp0", seq, "off", off,
+                      own=100)]
+    return rows
+
+
+def test_geomean_and_speedup():
+    assert mr.geomean([1.5, 1.2]) == pytest.approx(math.sqrt(1.8))
+    assert mr.geomean([]) is None
+    with pytest.raises(ValueError, match="non-positive"):
+        mr.geomean([1.0, 0.0])
+    groups = mr.workloads(_layer_rows(), "layer")
+    key = ("qwen3-30b-a3b", "tp1/ep2/dp2/sp0", None, 4096, "auto")
+    assert mr.speedup(groups[key], "off-grouped") == pytest.approx(1.5)
+    assert mr.speedup(groups[key], "off-te") is None
+    assert mr.memory_extra(groups[key]) == pytest.approx(0.05)
+    assert next(iter(groups))[0] == "qwen3-30b-a3b"  # fine-grained first, coarse last
+    assert list(groups)[-1][0] == "mixtral-8x7b"
+
+
+def test_targets_verdicts():
+    layer = "\n".join(mr.target_lines(mr.workloads(_layer_rows(), "layer"), "layer"))
+    assert f"**{math.sqrt(1.8):.3f}x** (target >= 1.3x): **met**" in layer
+    # mixtral vs off-grouped is 0.8x: "never slower" missed, worst named
+    assert "1 of 6 (workload, baseline) pairs slower; worst 0.800x (mixtral-8x7b" in layer
+    assert "**+20.0%** (mixtral-8x7b" in layer and "**MISSED**" in layer
+    prefill = "\n".join(mr.target_lines(mr.workloads(_prefill_rows(), "prefill"), "prefill"))
+    # seq 2048 (0.5x) is below the target's 4096 and ignored: geomean sqrt(1.2 * 1.3)
+    assert f"**{math.sqrt(1.2 * 1.3):.3f}x** (target >= 1.15x): **met**" in prefill
+    assert "0 of 2 (workload, baseline) pairs slower" in prefill
+
+
+def test_selection_skips_cpu_and_older_duplicates():
+    rows = _layer_rows() + [
+        _row("layer", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 4096, "on", 5.0, stamp="T2"),
+        _row("layer", "tiny", "tp1/ep1/dp1/sp0", 32, "on", 1.0, gpu="cpu"),
+    ]
+    kept, notes = mr.select_rows(rows)
+    assert notes == {"cpu": 1, "superseded": 1}
+    on = [r for r in kept if r["model"] == "qwen3-30b-a3b" and r["variant"] == "on"]
+    assert [r["ms_p50"] for r in on] == [5.0]  # the newer row won
+    kept, notes = mr.select_rows(rows, include_cpu=True)
+    assert notes["cpu"] == 0 and any(r["model"] == "tiny" for r in kept)
+
+
+def test_report_file_sections_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    data = tmp_path / "synthetic.jsonl"
+    foreign = {"provider": "ours", "p50_ms": 1.0}  # an operator-benchmark row
+    with data.open("w") as f:
+        for row in _layer_rows() + _prefill_rows() + [foreign]:
+            f.write(json.dumps(row) + "\n")
+    out = tmp_path / "report.md"
+    assert mr.main([str(data), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "skipped 1 rows of other benchmarks, 0 CPU rows, 0 older duplicates" in text
+    for heading in ("## MoE layer", "## Full-model prefill", "## Variants, exactly",
+                    "## Agreement with flag off", "## Hardware and software", "## Commands"):
+        assert heading in text, heading
+    assert "| fine-grained | all | off-grouped | 2 | 1.342 | 1.200 | 0 |" in text
+    assert "`off-te` was not run: synthetic: no TE." in text
+    assert "cmd-layer" in text and "cmd-prefill" in text
+    assert f"make_report {data} --out {out}" in text
+    assert SYNTHETIC_GPU in text
+    assert "![layer speedup vs sequence length](report_layer.png)" in text
+    for png in ("report_layer.png", "report_prefill.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_disagreement_is_listed(tmp_path):
+    rows = _layer_rows()
+    rows[0]["agree"] = False
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "r.md"
+    assert mr.main([str(data), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert "* layer qwen3-30b-a3b tp1/ep2/dp2/sp0 seq 4096 on:" in text
+    assert "| NO |" in text and not (tmp_path / "r_layer.png").exists()
+
+
+def test_bad_input_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        mr.main([str(tmp_path / "missing.jsonl")])
+    assert exc.value.code == 2 and "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(SystemExit) as exc:
+        mr.main([str(bad)])
+    assert exc.value.code == 2 and "bad.jsonl:1: not JSON" in capsys.readouterr().err
