@@ -698,8 +698,14 @@ def copy_weights(source: torch.nn.Module, target: torch.nn.Module, what: str) ->
 
 
 def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Move to the device (on GPU only the router weight, made on the CPU, moves) and eval()."""
-    return model.to(device).eval()
+    """Move to the device (on GPU only the router weight, made on the CPU, moves), cast every
+    floating parameter to the config's `params_dtype` (as Megatron's Float16Module does: its
+    torch LayerNorm, e.g. Phi-3.5-MoE's, is made in fp32 otherwise) and eval()."""
+    dtype = getattr(getattr(model, "config", None), "params_dtype", None)
+    model = model.to(device)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
 
 
 def redraw_cpu_experts(model: torch.nn.Module, seed: int) -> None:

@@ -110,14 +110,15 @@ class GatherRSMetadata:
     """[R] int64, group order: rows every rank receives in one call (the receive-buffer
     capacity all ranks agree on, computed alike everywhere from the exchanged counts)."""
 
-    gather_index: torch.Tensor
+    gather_index: Optional[torch.Tensor]
     """[S, K] int64, S = send_slots.sum(), slots grouped by destination in group order: the
     local rows (indices into the op's `h` rows) whose FC2 outputs sum into each slot, in
     ascending local-expert order, padded with -1; K = min(L, top-k)."""
 
-    recv_token_index: torch.Tensor
+    recv_token_index: Optional[torch.Tensor]
     """[recv_slots.sum()] int64: for the rows received from each sender (group order,
-    concatenated), the local token each row belongs to."""
+    concatenated), the local token each row belongs to. This and `gather_index` are None in
+    Triton-only metadata (`build_metadata(row_slot=None)`)."""
 
     topk: Optional[int] = None
     """The router's top-k: at most this many experts per token."""
@@ -144,8 +145,9 @@ class GatherRSMetadata:
         """A copy whose device tensors live on `device` (host counts are shared)."""
         return dataclasses.replace(
             self,
-            gather_index=self.gather_index.to(device),
-            recv_token_index=self.recv_token_index.to(device),
+            gather_index=None if self.gather_index is None else self.gather_index.to(device),
+            recv_token_index=(None if self.recv_token_index is None
+                              else self.recv_token_index.to(device)),
             routing_map=None if self.routing_map is None else self.routing_map.to(device),
         )
 
@@ -172,8 +174,11 @@ def build_metadata(
         counts: [R, E + EP] int host array, group order: row g is rank g's tokens per expert
             (`routing_map.sum(0)`) followed by its `num_slots_per_ep` (see `source_slots`).
         row_slot: [N] int32 device tensor: the slots of this rank's received rows, in the
-            order of the op's `h` rows (local expert, source chunk, token).
-        dest_token_mask: [T, EP] bool, this rank's own `source_slots` mask.
+            order of the op's `h` rows (local expert, source chunk, token); or None for
+            metadata the Triton backend alone can use (no slots: `gather_index` and
+            `recv_token_index` are None, the slot counts zero; needs `routing_map`).
+        dest_token_mask: [T, EP] bool, this rank's own `source_slots` mask (None with
+            row_slot None).
         tp_size, tp_rank, ep_size, ep_rank: this rank's place in the tp_ep group.
         topk: the router's top-k (bounds the contributions per slot).
         routing_map: [T, E] bool, this rank's routing map; needed by the Triton backend
@@ -183,6 +188,10 @@ def build_metadata(
         ValueError: inconsistent sizes (the message names them).
     """
     group_size = tp_size * ep_size
+    if row_slot is None:
+        if routing_map is None:
+            raise ValueError("build_metadata without row_slot needs the routing_map")
+        dest_token_mask = torch.zeros(routing_map.shape[0], ep_size, dtype=torch.bool)
     counts = np.asarray(counts, dtype=np.int64)
     if counts.ndim != 2 or counts.shape[0] != group_size or counts.shape[1] <= ep_size:
         raise ValueError(
@@ -201,10 +210,21 @@ def build_metadata(
     if num_experts % ep_size != 0:
         raise ValueError(f"ep_size={ep_size} must divide the number of experts {num_experts}")
     num_local = num_experts // ep_size
-    device = row_slot.device
-
     chunk_groups = [chunk_to_group_rank(c, tp_size, ep_size) for c in range(group_size)]
     local = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
+    if row_slot is None:  # Triton-only metadata: no slots
+        zeros = np.zeros(group_size, dtype=np.int64)
+        return GatherRSMetadata(
+            tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
+            num_local_experts=num_local, num_tokens=int(routing_map.shape[0]),
+            rows_per_expert_per_chunk=counts[chunk_groups, local].T.copy(),
+            send_slots=zeros, recv_slots=zeros.copy(), dest_row_offsets=zeros.copy(),
+            recv_rows_per_rank=zeros.copy(), gather_index=None, recv_token_index=None,
+            topk=int(topk), routed_counts=counts[:, :num_experts].copy(),
+            routing_map=routing_map,
+        )
+    device = row_slot.device
+
     rows_per_expert_per_chunk = counts[chunk_groups, local].T.copy()  # [L, R] chunk order
     num_rows = int(rows_per_expert_per_chunk.sum())
     if row_slot.numel() != num_rows:

@@ -93,9 +93,15 @@ def gemm2_gatherrs_reference(
         `combine_postprocess`) within bf16 rounding.
 
     Raises:
-        TypeError, ValueError: see `check_operands`; ValueError if group's size is not R.
+        TypeError, ValueError: see `check_operands`; ValueError if group's size is not R,
+            or `meta` is Triton-only (built without slots).
     """
     check_operands(h, w2, meta)
+    if meta.gather_index is None:
+        raise ValueError(
+            "this metadata was built for the Triton backend only (no slots, "
+            "build_metadata(row_slot=None)), but the reference path is running: the backend "
+            "choice changed between dispatch and combine (e.g. autograd was switched on)")
     if meta.group_size > 1:
         if group is None or dist.get_world_size(group) != meta.group_size:
             raise ValueError(

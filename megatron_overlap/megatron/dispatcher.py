@@ -24,6 +24,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
+from megatron_overlap.ops.gemm2_gatherrs import triton_unavailable_reason
 from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
 
 
@@ -76,13 +77,27 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     # ---- dispatch half: Megatron's, plus the slots -------------------------------------
 
+    def _triton_will_run(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this forward's combine will run the Triton kernels, which need no slots:
+        a backend other than "reference", and `triton_unavailable_reason` finds nothing with
+        autograd off (with autograd on, the expert weights require grad: the reference path
+        runs)."""
+        if self.options.backend == "reference" or torch.is_grad_enabled():
+            return False
+        group = self.tp_ep_group if self.tp_size * self.ep_size > 1 else None
+        return triton_unavailable_reason(hidden_states, hidden_states, group) is None
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """Megatron's `dispatch_preprocess`, then this rank's slots and routing counts."""
+        """Megatron's `dispatch_preprocess`, then this rank's routing counts (and its slots,
+        which only the reference path reads)."""
         out = super().dispatch_preprocess(hidden_states, routing_map, probs)
-        row_slot, self._dest_token_mask, slots_per_ep = source_slots(
-            self.routing_map, self.ep_size
-        )
-        self._row_slot = row_slot
+        if self._triton_will_run(hidden_states):
+            self._row_slot = self._dest_token_mask = None
+            slots_per_ep = self.routing_map.new_zeros(self.ep_size, dtype=torch.int64)
+        else:
+            self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
+                self.routing_map, self.ep_size
+            )
         counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
         if self.tp_size * self.ep_size > 1:
             gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
@@ -94,7 +109,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         """Megatron's EP all-to-all of tokens and probs; the slots follow the same splits."""
         tokens, probs = super().token_dispatch(permutated_local_input_tokens, permuted_probs)
-        if self.ep_size > 1:
+        if self.ep_size > 1 and self._row_slot is not None:
             out_splits, in_splits = _as_list(self.output_splits), _as_list(self.input_splits)
             received = self._row_slot.new_empty(sum(out_splits))
             dist.all_to_all_single(received, self._row_slot, out_splits, in_splits,
@@ -108,6 +123,14 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         tokens, tokens_per_expert, probs = super().dispatch_postprocess(
             global_input_tokens, global_probs
         )
+        if self._row_slot is None:  # the Triton path: counts and the routing map suffice
+            self.metadata = build_metadata(
+                counts=self._counts, row_slot=None, dest_token_mask=None,
+                tp_size=self.tp_size, tp_rank=self.tp_rank, ep_size=self.ep_size,
+                ep_rank=self.ep_rank, topk=self.config.moe_router_topk,
+                routing_map=self.routing_map,
+            )
+            return tokens, tokens_per_expert, probs
         row_slot = self._row_slot
         num_experts = self._counts.shape[1] - self.ep_size
         nle = self.num_local_experts

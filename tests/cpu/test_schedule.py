@@ -106,3 +106,32 @@ def test_report_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     report.plot(rows, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1), (2, 2)])
+def test_slot_free_metadata_gives_the_same_layout(tp, ep):
+    """The dispatcher builds metadata without slots when the Triton path runs: the Triton
+    layout must not change, and the reference path must refuse it."""
+    import torch
+
+    from megatron_overlap.metadata import build_metadata
+    from megatron_overlap.reference import gemm2_gatherrs_reference
+
+    r = tp * ep
+    maps = routing_maps([29 + 5 * g for g in range(r)], 4 * ep, 2, "skewed", seed=1)
+    for rank in range(r):
+        full = rank_rows(maps, tp=tp, ep=ep, rank=rank, topk=2).meta
+        lite = build_metadata(
+            counts=np.concatenate([full.routed_counts, np.zeros((r, ep), np.int64)], axis=1),
+            row_slot=None, dest_token_mask=None, tp_size=tp, tp_rank=rank % tp, ep_size=ep,
+            ep_rank=rank // tp, topk=2, routing_map=maps[rank])
+        a, b = direct_layout(full, 64, 16, 32), direct_layout(lite, 64, 16, 32)
+        for field in ("tiles_remote", "tiles_local", "arrivals", "recv_rows", "finalize_base"):
+            assert np.array_equal(getattr(a, field), getattr(b, field)), field
+        assert lite.gather_index is None and lite.num_tokens == maps[rank].shape[0]
+        h = torch.zeros(int(lite.tokens_per_local_expert.sum()), 8)
+        with pytest.raises(ValueError, match="Triton backend only"):
+            gemm2_gatherrs_reference(h, torch.zeros(lite.num_local_experts, 64, 8), lite, None)
+    with pytest.raises(ValueError, match="needs the routing_map"):
+        build_metadata(counts=np.zeros((1, 3), np.int64), row_slot=None, dest_token_mask=None,
+                       tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, topk=1)
