@@ -104,8 +104,8 @@ class GatherRSWorkspace:
         """Grow the receive buffer to hold `rows` rows per half (collective when it grows).
 
         Every rank must call this with the same `rows` (the maximum over ranks of
-        `recv_rows_per_rank`, which all ranks compute alike). Grows to at least twice the old
-        capacity so that slowly growing inputs reallocate rarely.
+        `recv_rows_per_rank`, which all ranks compute alike). Grows to 1/8 more than asked,
+        so that slowly growing inputs reallocate rarely without doubling the memory.
         """
         self._check_alive()
         if rows <= self.capacity_rows and self._recv is not None:
@@ -113,7 +113,7 @@ class GatherRSWorkspace:
         if self._fixed_capacity:
             raise ValueError(f"this workspace holds {self.capacity_rows} rows per half, the call "
                              f"needs {rows}")
-        new_rows = max(rows, 2 * self.capacity_rows, 1)
+        new_rows = max(rows + rows // 8, 1)  # 1/8 headroom: growth (a collective) is rare
         shape = (2 * new_rows, self.hidden)
         if self.group is None:
             self._recv = torch.zeros(shape, dtype=self.dtype, device=self.device)

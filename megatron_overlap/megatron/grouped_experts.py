@@ -29,6 +29,7 @@ FFN width on this expert-TP rank, I = 2F for a gated linear unit (else F), L loc
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -320,6 +321,27 @@ def grouped_fc1_unsupported_reason(experts: torch.nn.Module,
     return None
 
 
+def fc1_chunk_bytes() -> int:
+    """Largest FC1 output ([rows, I] in the activation dtype) one grouped GEMM produces; more
+    rows run in several groups of experts (peak memory, see `grouped_fc1_activation`).
+    512 MiB, or MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes."""
+    return int(float(os.environ.get("MEGATRON_OVERLAP_FC1_CHUNK_MB", "512")) * 2**20)
+
+
+def expert_groups(counts: Sequence[int], row_bytes: int, budget: int):
+    """Consecutive experts in groups of at most `budget` bytes of output rows (an expert
+    with more forms a group alone): [(first expert, end expert, rows)], in order."""
+    groups, start = [], 0
+    while start < len(counts):
+        end, rows = start + 1, counts[start]
+        while end < len(counts) and (rows + counts[end]) * row_bytes <= budget:
+            rows += counts[end]
+            end += 1
+        groups.append((start, end, rows))
+        start = end
+    return groups
+
+
 def grouped_fc1_activation(
     experts: torch.nn.Module,
     x: torch.Tensor,
@@ -346,8 +368,20 @@ def grouped_fc1_activation(
     """
     mlps = list(experts.local_experts)
     w1, how = stacked_weights([m.linear_fc1.weight for m in mlps])  # [L, I, H]
-    fc1, impl = expert_matmul(x, w1, tokens_per_expert)  # [N, I]
-    with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
-        h, bias = mlps[0].forward(fc1, probs)  # not __call__: expert 0's hooks stay quiet
-    assert bias is None
-    return h, f"grouped FC1: {impl}, weights {how}"
+    counts = _counts(tokens_per_expert, len(mlps), x.shape[0])
+    # Experts in groups whose FC1 output stays under fc1_chunk_bytes(): the [rows, I] FC1
+    # output of all experts at once would be a peak the per-expert loop never has.
+    groups = expert_groups(counts, w1.shape[1] * x.element_size(), fc1_chunk_bytes())
+    outs, impl, row0 = [], "none (no rows)", 0
+    for first, end, rows in groups:
+        fc1, impl = expert_matmul(x[row0: row0 + rows], w1[first:end], counts[first:end])
+        with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
+            # not __call__: expert 0's hooks stay quiet
+            h, bias = mlps[0].forward(fc1, probs[row0: row0 + rows])
+        assert bias is None
+        del fc1
+        outs.append(h)
+        row0 += rows
+    h = outs[0] if len(outs) == 1 else torch.cat(outs)
+    split = f", {len(groups)} expert groups" if len(groups) > 1 else ""
+    return h, f"grouped FC1: {impl}, weights {how}{split}"

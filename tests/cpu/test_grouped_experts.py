@@ -404,3 +404,22 @@ def test_flag_on_experts_layout_and_grouped_fc1(world):
                 _check_layout(res)
             else:
                 check_layer(case, res, where)
+
+
+def test_expert_groups_bound_the_fc1_output():
+    from megatron_overlap.megatron.grouped_experts import expert_groups
+
+    assert expert_groups([3, 0, 5, 2], row_bytes=10, budget=0) == [
+        (0, 1, 3), (1, 2, 0), (2, 3, 5), (3, 4, 2)]
+    assert expert_groups([3, 0, 5, 2], row_bytes=10, budget=80) == [(0, 3, 8), (3, 4, 2)]
+    assert expert_groups([3, 0, 5, 2], row_bytes=10, budget=10**9) == [(0, 4, 10)]
+    assert expert_groups([], row_bytes=10, budget=10) == []
+    # Groups of experts, run one after another, give the all-at-once result.
+    counts = [3, 0, 5, 2]
+    x, w = torch.randn(10, 6), torch.randn(4, 7, 6)
+    whole, _ = expert_matmul(x, w, counts)
+    parts, row0 = [], 0
+    for first, end, rows in expert_groups(counts, row_bytes=7 * 4, budget=5 * 7 * 4):
+        parts.append(expert_matmul(x[row0: row0 + rows], w[first:end], counts[first:end])[0])
+        row0 += rows
+    assert torch.allclose(torch.cat(parts), whole, atol=1e-6)
