@@ -207,7 +207,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                                 "p80": max(host_ms)}
         # The last call's arrivals are all in: finalize again = its summing alone.
         results["ours_finalize"] = timed(call.finalize, args.warmup, args.iters)
-        # The call as the Megatron layer runs it: prepared (host work) before FC1, so the
+        # The call as the Megatron layer runs it: prepared (host work) while FC1 runs, so the
         # timed part is the launches and the GPU work.
         results["ours_prepared"] = timed_prepared(prepare, h, w2, args)
         results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters)

@@ -13,9 +13,9 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   tiles first, the others the local tiles first, so NVLink traffic is spread over the GEMM
   instead of bunched at its start; either side takes the other's tiles when its own run out.
   Two ways to hand out tiles (`STATIC`): a host-built list in which every wave of G tiles
-  holds k remote and G - k local ones, CTA p taking tiles p, p + G, ... (the K loop can then
-  prefetch across tiles); or two atomic claim counters (dynamic; a slow CTA cannot delay
-  others).
+  holds k remote and G - k local ones, CTA p taking tiles p, p + G, ... (no atomics; the
+  default); or two atomic claim counters (dynamic: a slow CTA cannot delay others; each CTA
+  claims its next tile before computing the current one, hiding the atomic's latency).
   Signals: a CTA counts the remote tiles it stored per destination and, when it moves on to
   another destination or runs out of work, adds that count to its arrival counter at the
   destination (release, system scope), after a CTA barrier (every thread's peer stores are
@@ -26,7 +26,7 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   fixed order (expert ascending, then TP rank) into the output: deterministic. The rows of
   each token come from `_index_kernel` (row = base[tp, e] + rank of the token among expert
   e's tokens, from the routing map and its prefix sum over tokens), which needs only the
-  routing map and so runs when the call is prepared, before FC1.
+  routing map and so runs when the call is prepared (while FC1 runs).
 
 No pre-reduction happens before the rows travel: every (token, expert) row is stored once,
 where it is summed (the design brief's gather-then-send needs y written, re-read and

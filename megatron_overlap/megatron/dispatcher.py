@@ -167,9 +167,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     # ---- combine half: one fused operation ---------------------------------------------
 
     def prepare_combine(self, h_like: torch.Tensor, w2: torch.Tensor) -> None:
-        """Plan the combine and do its host work now (call before FC1 is launched, so the
-        host work overlaps FC1 on the GPU). Optional: `gemm2_gatherrs_combine` does it
-        otherwise.
+        """Plan the combine and do its host work now (`GatherRSMoELayer` calls it right after
+        FC1 is enqueued, so the host work overlaps FC1 on the GPU). Optional:
+        `gemm2_gatherrs_combine` does it otherwise.
 
         Args:
             h_like: the dispatched tokens (dtype, device and autograd state of FC1's output).

@@ -53,10 +53,11 @@ class GatherRSMoELayer(MoELayer):
         dispatched_input, tokens_per_expert, permuted_probs = (
             self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
         )
-        w2 = self.experts.fc2_weight()
-        # Plan + host work of the fused op now, so that they overlap FC1 on the GPU.
-        self.token_dispatcher.prepare_combine(dispatched_input, w2)
         h = self.experts.forward_fc1(dispatched_input, tokens_per_expert, permuted_probs)
+        w2 = self.experts.fc2_weight()
+        # Plan + host work of the fused op after FC1 is enqueued: the host prepares while the
+        # GPU runs FC1 (before FC1, the GPU would idle: the dispatch ends with a host sync).
+        self.token_dispatcher.prepare_combine(dispatched_input, w2)
         output = self.token_dispatcher.gemm2_gatherrs_combine(h, w2)
         return output, None
 

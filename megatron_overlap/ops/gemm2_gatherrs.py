@@ -88,7 +88,7 @@ def prepare_gemm2_gatherrs(
     options: GatherRSOptions,
     plan: Optional[Plan] = None,
 ):
-    """Do a call's host work ahead of time, before h exists (e.g. before FC1 is launched).
+    """Do a call's host work ahead of time, before h is needed (e.g. while FC1 runs).
 
     Args:
         h_like: any tensor with h's dtype, device and autograd state (e.g. the dispatched

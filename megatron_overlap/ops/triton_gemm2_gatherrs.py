@@ -18,7 +18,7 @@ Per call, on this rank (DESIGN.md §3):
      then `_index_kernel`), then, once h exists, `_gemm_scatter_kernel` (persistent,
      `plan.num_ctas` CTAs) and `_finalize_kernel`. Step 1 and the prefix sum only need the
      metadata: `_Call` does them at construction ("prepare"), which the Megatron layer does
-     before FC1;
+     while FC1 runs;
   3. the error record is copied to pinned memory asynchronously and checked at the start of
      the next call on the workspace (or now with `sync_errors=True`, or by
      `GatherRSWorkspace.check_errors()`): a finalize that timed out raises RuntimeError
@@ -240,9 +240,9 @@ class _Call:
     """One call, prepared then run.
 
     Construction does all the host work and needs only the metadata: the tables, the
-    arrival targets, one asynchronous H2D copy and the routing map's prefix sum, on the
-    current stream. The Megatron layer prepares the call before it launches FC1, so this
-    host work overlaps FC1 on the GPU. `send` launches the GEMM2 + scatter kernel and
+    arrival targets, one asynchronous H2D copy and the finalize index, on the current
+    stream. The Megatron layer prepares the call right after it enqueues FC1, so this host
+    work overlaps FC1 on the GPU. `send` launches the GEMM2 + scatter kernel and
     `finish` the finalize; `run` does both. A prepared call must be run: its arrival
     targets are already counted.
 
