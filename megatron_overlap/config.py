@@ -35,9 +35,10 @@ class GatherRSOptions:
     saying why."""
 
     num_comm_ctas: Optional[int] = None
-    """Override of the communication CTAs: the most CTAs of the fused kernel that gather and
-    store to peers at once (the SM partition). `None` lets the resource manager choose
-    before every launch."""
+    """Override of the communication CTAs k: the CTAs of the fused kernel that take the
+    remote-bound GEMM2 tiles (whose epilogues store over NVLink) before the local ones; the
+    others take local tiles first (the SM partition). `None` lets the resource manager
+    choose before every launch."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on every GPU spin-wait, in seconds; on expiry the op raises `RuntimeError`

@@ -41,7 +41,8 @@ class GatherRSTransformerConfig(TransformerConfig):
     """`"auto"`, `"triton"` or `"reference"` (see `GatherRSOptions.backend`)."""
 
     moe_gatherrs_num_comm_ctas: Optional[int] = None
-    """Most CTAs storing to peers at once; `None`: the resource manager's choice per launch."""
+    """CTAs taking the remote-bound GEMM2 tiles first (`GatherRSOptions.num_comm_ctas`);
+    `None`: the resource manager's choice per launch."""
 
     moe_gatherrs_timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on every GPU spin-wait of the fused kernels, in seconds."""
