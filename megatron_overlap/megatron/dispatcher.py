@@ -181,10 +181,13 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         me = self.ep_rank * self.tp_size + self.tp_rank  # rows of my tokens, x TP partials:
         recv_rows = int(self._counts[me, : self._counts.shape[1] - self.ep_size].sum())
+        from megatron_overlap.ops.triton_gemm2_gatherrs import compiled_resources
+
         self.plan = plan_gemm2_gatherrs(
             self.metadata, self.options, num_sms=self._num_sms, hidden=w2.shape[1],
             ffn=w2.shape[2], elem_bytes=h_like.element_size(),
-            recv_rows=recv_rows * self.tp_size)
+            recv_rows=recv_rows * self.tp_size,
+            kernel=compiled_resources(h_like.dtype, w2.shape[2], w2.shape[1]))
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,

@@ -106,13 +106,15 @@ def prepare_gemm2_gatherrs(
     backend = resolve_backend(options.backend, h_like, w2, group)
     if backend == "reference":
         return None
-    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, compiled_resources
     from megatron_overlap.symm import get_workspace
 
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms, hidden=w2.shape[1],
-                                   ffn=w2.shape[2], elem_bytes=h_like.element_size())
+                                   ffn=w2.shape[2], elem_bytes=h_like.element_size(),
+                                   kernel=compiled_resources(h_like.dtype, w2.shape[2],
+                                                             w2.shape[1]))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
     return _Call(meta, workspace, plan, hidden=w2.shape[1], dtype=h_like.dtype,
@@ -158,13 +160,14 @@ def gemm2_gatherrs(
     if backend == "reference":
         return gemm2_gatherrs_reference(h, w2, meta, group)
 
-    from megatron_overlap.ops.triton_gemm2_gatherrs import gemm2_gatherrs_triton
+    from megatron_overlap.ops.triton_gemm2_gatherrs import compiled_resources, gemm2_gatherrs_triton
     from megatron_overlap.symm import get_workspace
 
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
         plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms, hidden=w2.shape[1],
-                                   ffn=h.shape[1], elem_bytes=h.element_size())
+                                   ffn=h.shape[1], elem_bytes=h.element_size(),
+                                   kernel=compiled_resources(h.dtype, h.shape[1], w2.shape[1]))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h.dtype, device=h.device)
     return gemm2_gatherrs_triton(h, w2, meta, workspace=workspace, plan=plan,
                                  timeout_s=options.timeout_s)

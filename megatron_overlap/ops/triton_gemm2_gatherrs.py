@@ -41,7 +41,7 @@ import triton
 
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
-from megatron_overlap.resource import Plan
+from megatron_overlap.resource import KernelResources, Plan, kernel_resources_from_compiled
 from megatron_overlap.symm import GatherRSWorkspace
 
 
@@ -223,6 +223,26 @@ def contribution_rows(meta: GatherRSMetadata, layout: DirectLayout) -> torch.Ten
     return torch.where(rmap[:, :, None], rows, torch.full_like(rows, -1))
 
 
+_RESOURCES: dict = {}
+"""(dtype, F, H, TileConfig) -> KernelResources of the compiled `_gemm_scatter_kernel`."""
+
+
+def compiled_resources(dtype: torch.dtype, ffn: int, hidden: int,
+                       tile: Optional[TileConfig] = None) -> Optional[KernelResources]:
+    """Registers, shared memory and threads of the GEMM2 + scatter kernel compiled for this
+    shape (the resource manager's occupancy input), or None before its first GPU launch in
+    this process."""
+    return _RESOURCES.get((dtype, ffn, hidden, tile or DEFAULT_TILE))
+
+
+def _record_resources(key, handle) -> None:
+    if key not in _RESOURCES:
+        try:
+            _RESOURCES[key] = kernel_resources_from_compiled(handle)
+        except ValueError:  # the interpreter returns no compiled kernel
+            pass
+
+
 _allocator_set = False
 
 
@@ -358,13 +378,15 @@ class _Call:
             _ensure_allocator()
         if not t.static:
             self.counters.zero_()
-        k._gemm_scatter_kernel[(grid,)](
+        handle = k._gemm_scatter_kernel[(grid,)](
             h, w2, tiles, num_remote, num_local, self.counters, ws.peer_recv_ptrs,
             ws.peer_signal_ptrs, self.rank, self.row_base, self.num_comm, max(1, h.shape[0]),
             h.shape[1], self.hidden, w2.shape[0], h.stride(0), w2.stride(0), w2.stride(1),
             BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
+        if self.gpu:
+            _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
 
     def finalize(self) -> None:
         """`_finalize_kernel` on the current stream (waits for the arrivals)."""

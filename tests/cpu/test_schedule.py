@@ -135,3 +135,23 @@ def test_slot_free_metadata_gives_the_same_layout(tp, ep):
     with pytest.raises(ValueError, match="needs the routing_map"):
         build_metadata(counts=np.zeros((1, 3), np.int64), row_slot=None, dest_token_mask=None,
                        tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, topk=1)
+
+
+def test_compiled_kernel_resources_feed_the_plan():
+    """The resource manager's occupancy input comes from the compiled kernel once it ran."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_overlap.ops import triton_gemm2_gatherrs as op
+    from megatron_overlap.resource import KernelResources
+
+    key = (torch.bfloat16, 777, 333, op.DEFAULT_TILE)
+    op._RESOURCES.pop(key, None)
+    assert op.compiled_resources(torch.bfloat16, 777, 333) is None
+    op._record_resources(key, object())  # not a compiled kernel (the interpreter): ignored
+    assert op.compiled_resources(torch.bfloat16, 777, 333) is None
+    handle = SimpleNamespace(n_regs=168, metadata=SimpleNamespace(shared=147480, num_warps=8))
+    op._record_resources(key, handle)
+    assert op.compiled_resources(torch.bfloat16, 777, 333) == KernelResources(168, 147480, 256)
+    op._RESOURCES.pop(key)
