@@ -256,7 +256,8 @@ def test_twin_stands_in_with_one_warning(monkeypatch):
 # ---- profiles ----------------------------------------------------------------------------
 
 def test_shipped_profile_and_round_trip(tmp_path):
-    assert H200.gpu.num_sms == 132 and H200.provisional
+    assert H200.gpu.num_sms == 132 and not H200.provisional  # calibrated on 2x H200
+    assert H200.source.startswith("launch/calibrate.py")
     path = tmp_path / "x.yaml"
     save_profile(H200, path, header="test header")
     assert path.read_text().startswith("# test header")
