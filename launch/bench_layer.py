@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where to run (default auto: cuda if available)")
     parser.add_argument("--seed", type=int, default=1234,
                         help="weight-init seed; inputs use seed + rank + seq (default 1234)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing each workload, profile one forward of 'on' and "
+                             "'off-grouped' (torch.profiler, CPU + CUDA) and print rank 0's "
+                             "top operators and kernels: where the layer's time goes")
     return parser
 
 
@@ -201,6 +205,7 @@ class RunConfig:
     device: str
     seed: int
     world_size: int
+    profile: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -237,6 +242,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         device=device,
         seed=args.seed,
         world_size=world_size,
+        profile=args.profile,
     )
 
 
@@ -480,6 +486,33 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
     }
 
 
+def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title: str,
+                     row_limit: int = 25) -> str:
+    """One profiled forward of the "on" and "off-grouped" variants (those present), after
+    the timing: rank 0's operator / kernel table per variant, sorted by device time on CUDA
+    (CPU time otherwise). Every rank runs the forwards (they hold collectives)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort_by = "cuda_time_total" if cuda else "cpu_time_total"
+    texts = []
+    with torch.inference_mode():
+        for name in ("on", "off-grouped"):
+            if name not in layers:
+                continue
+            if cuda:
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            with profile(activities=activities) as prof:
+                layers[name](x)
+                if cuda:
+                    torch.cuda.synchronize(device)
+            texts.append(f"== profile {title} {name}\n"
+                         + prof.key_averages().table(sort_by=sort_by, row_limit=row_limit))
+    return "\n".join(texts)
+
+
 def describe(layers: dict, backend: str, te_version: str | None) -> dict:
     """{variant: (label, experts_impl)} after the variants ran (`baselines.label`)."""
     from megatron_overlap.bench.baselines import label
@@ -651,6 +684,11 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
             for seq in run.seq_lengths:
                 x = make_input(shape, run, tp, ranks, seq, device)
                 result = time_workload(layers, x, run, device)
+                if run.profile:
+                    text = profile_workload(layers, x, device,
+                                            f"{shape.name} {info['layout']} seq {seq}")
+                    if rank0:
+                        print(text, flush=True)
                 details = describe(layers, backend, te_version)
                 new = make_rows(result, seq, info, details, run)
                 rows += new

@@ -150,9 +150,12 @@ def test_bench_layer_world1(tmp_path):
 
 @pytest.mark.slow
 def test_bench_layer_world2_ep_and_tp(tmp_path):
-    proc, rows = _launch(tmp_path, 2, "--layouts", "ep2", "tp2")
+    proc, rows = _launch(tmp_path, 2, "--layouts", "ep2", "tp2", "--profile")
     assert proc.returncode == 0, _explain(proc)
     _check_rows(rows, {"tp1/ep2/dp2/sp0": (1, 2), "tp2/ep1/dp1/sp1": (2, 1)}, 2)
+    for variant in ("on", "off-grouped"):  # --profile: one table per variant and workload
+        assert f"== profile tiny tp1/ep2/dp2/sp0 seq {SEQ} {variant}" in proc.stdout
+    assert "cpu_time_total" not in proc.stdout and "Self CPU" in proc.stdout
 
 
 @pytest.mark.slow
