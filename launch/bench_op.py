@@ -31,6 +31,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -289,6 +290,9 @@ def main() -> int:
 
     faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)  # a stuck run says where
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not torch.cuda.is_available():
+        print(f"{__file__}: needs CUDA GPUs (none visible)", file=sys.stderr)
+        return 2
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)

@@ -267,6 +267,10 @@ def main(argv=None) -> int:
     import bench_op  # launch/bench_op.py: timed(), git_sha()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not torch.cuda.is_available():
+        print(f"{__file__}: needs CUDA GPUs (none visible); --dry-run runs on a CPU",
+              file=sys.stderr)
+        return 2
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)

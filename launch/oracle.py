@@ -127,6 +127,10 @@ def gpu_run(args) -> int:
     from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not torch.cuda.is_available():
+        print(f"{__file__}: needs CUDA GPUs (none visible); --dry-run runs on a CPU",
+              file=sys.stderr)
+        return 2
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)

@@ -167,6 +167,7 @@ def build_metadata(
     ep_rank: int,
     topk: int,
     routing_map: Optional[torch.Tensor] = None,
+    validate: bool = True,
 ) -> GatherRSMetadata:
     """Build the metadata of one call from the exchanged routing counts.
 
@@ -183,15 +184,52 @@ def build_metadata(
         topk: the router's top-k (bounds the contributions per slot).
         routing_map: [T, E] bool, this rank's routing map; needed by the Triton backend
             (kept in the metadata), optional for the reference path.
+        validate: check this rank's row of `counts` against `routing_map.sum(0)` (a device
+            to host copy; the dispatcher, which computed both from the same map, skips it).
+
+    Returns:
+        `GatherRSMetadata` (host counts; `gather_index`, `recv_token_index` on row_slot's
+        device).
 
     Raises:
-        ValueError: inconsistent sizes (the message names them).
+        ValueError: inconsistent sizes, ranks out of range, top-k < 1 or smaller than a
+            token's routed experts, counts that disagree with the routing map (the message
+            names them).
+        TypeError: a rank, size or top-k that is not an int; row_slot / dest_token_mask /
+            routing_map that are not tensors of the documented dtypes.
     """
+    for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank), ("ep_size", ep_size),
+                        ("ep_rank", ep_rank), ("topk", topk)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}={value!r} must be an int")
+    if tp_size < 1 or ep_size < 1 or not 0 <= tp_rank < tp_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"tp_rank={tp_rank} of tp_size={tp_size}, ep_rank={ep_rank} of "
+                         f"ep_size={ep_size}: expected sizes >= 1 and 0 <= rank < size")
+    if topk < 1:
+        raise ValueError(f"topk={topk} must be >= 1")
+    for name, t, kinds in (("row_slot", row_slot, "integer"),
+                           ("dest_token_mask", dest_token_mask, "bool"),
+                           ("routing_map", routing_map, "bool")):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        ok = (t.dtype == torch.bool) if kinds == "bool" else (
+            not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool)
+        if not ok:
+            raise TypeError(f"{name} must be a {kinds} tensor, got {t.dtype}")
+    if row_slot is not None and row_slot.dim() != 1:
+        raise ValueError(f"row_slot must be 1-D [N], got shape {tuple(row_slot.shape)}")
     group_size = tp_size * ep_size
     if row_slot is None:
         if routing_map is None:
             raise ValueError("build_metadata without row_slot needs the routing_map")
         dest_token_mask = torch.zeros(routing_map.shape[0], ep_size, dtype=torch.bool)
+    elif dest_token_mask is None:
+        raise ValueError("dest_token_mask is required with row_slot (see source_slots)")
+    elif dest_token_mask.dim() != 2 or dest_token_mask.shape[1] != ep_size:
+        raise ValueError(f"dest_token_mask must be [T, EP={ep_size}] bool, got shape "
+                         f"{tuple(dest_token_mask.shape)}")
     counts = np.asarray(counts, dtype=np.int64)
     if counts.ndim != 2 or counts.shape[0] != group_size or counts.shape[1] <= ep_size:
         raise ValueError(
@@ -209,6 +247,18 @@ def build_metadata(
     num_experts = counts.shape[1] - ep_size
     if num_experts % ep_size != 0:
         raise ValueError(f"ep_size={ep_size} must divide the number of experts {num_experts}")
+    if (counts < 0).any():
+        raise ValueError("counts must be >= 0")
+    if validate and routing_map is not None:
+        mine = counts[ep_rank * tp_size + tp_rank, :num_experts]
+        real = routing_map.sum(dim=0).cpu().numpy()
+        if not np.array_equal(mine, real):
+            raise ValueError(f"counts row {ep_rank * tp_size + tp_rank} (this rank) "
+                             f"{mine.tolist()} disagrees with routing_map.sum(0) "
+                             f"{real.tolist()}")
+        if routing_map.shape[0] and int(routing_map.sum(dim=1).max()) > topk:
+            raise ValueError(f"topk={topk} is smaller than a token's routed experts "
+                             f"({int(routing_map.sum(dim=1).max())})")
     num_local = num_experts // ep_size
     chunk_groups = [chunk_to_group_rank(c, tp_size, ep_size) for c in range(group_size)]
     local = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
@@ -260,6 +310,11 @@ def build_metadata(
         sorted_slot = global_slot[order]
         first = torch.searchsorted(sorted_slot, sorted_slot, right=False)
         position = torch.arange(num_rows, device=device) - first
+        if validate and (int(row_slot.min()) < 0 or int(sorted_slot[-1]) >= num_slots
+                         or int(position.max()) >= num_contrib):
+            raise ValueError(
+                "row_slot values out of range: slots must lie in [0, slots of the "
+                f"destination) with at most {num_contrib} rows each (see source_slots)")
         gather_index[sorted_slot, position] = order
 
     recv_token_index = torch.cat(

@@ -8,7 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install -q "torch==2.13.0"
+# The CPU wheel index first (PyPI's torch is the CUDA build); the plain pin where that index
+# cannot be reached (or a local wheel cache already has torch-2.13.0+cpu).
+"$PY" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+  || "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q packaging numpy
 "$PY" -m pip install -q --ignore-requires-python --no-deps "megatron-core==0.19.2"
 "$PY" -m pip install -q -e ".[test,bench]"

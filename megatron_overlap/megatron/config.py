@@ -142,13 +142,25 @@ def apply_gatherrs_args(config: TransformerConfig, args: argparse.Namespace) -> 
     """Copy the parsed `--moe-gatherrs-*` arguments onto `config` and check them.
 
     Raises:
-        ValueError: see `validate_gatherrs_config` (only when the flag is on) and
-            `GatherRSOptions`.
+        ValueError, TypeError: see `validate_gatherrs_config` (only when the flag is on) and
+            `GatherRSOptions`; ValueError if `args` lacks the fields. The config is left
+            unchanged when it raises.
     """
-    for name in ("moe_gatherrs_overlap", "moe_gatherrs_backend", "moe_gatherrs_num_comm_ctas",
-                 "moe_gatherrs_timeout_s"):
-        setattr(config, name, getattr(args, name))
-    gatherrs_options(config)
-    if gatherrs_enabled(config):
-        validate_gatherrs_config(config)
+    names = ("moe_gatherrs_overlap", "moe_gatherrs_backend", "moe_gatherrs_num_comm_ctas",
+             "moe_gatherrs_timeout_s")
+    missing = [n for n in names if not hasattr(args, n)]
+    if missing:
+        raise ValueError(f"args lacks {missing}: parse the command line with "
+                         "extra_args_provider=megatron_overlap.megatron.add_gatherrs_args")
+    saved = {n: getattr(config, n, None) for n in names}
+    try:
+        for name in names:
+            setattr(config, name, getattr(args, name))
+        gatherrs_options(config)
+        if gatherrs_enabled(config):
+            validate_gatherrs_config(config)
+    except (TypeError, ValueError):
+        for name, value in saved.items():  # a rejected call leaves the config as it was
+            setattr(config, name, value)
+        raise
     return config

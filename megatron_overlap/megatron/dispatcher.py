@@ -128,7 +128,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 counts=self._counts, row_slot=None, dest_token_mask=None,
                 tp_size=self.tp_size, tp_rank=self.tp_rank, ep_size=self.ep_size,
                 ep_rank=self.ep_rank, topk=self.config.moe_router_topk,
-                routing_map=self.routing_map,
+                routing_map=self.routing_map, validate=False,
             )
             return tokens, tokens_per_expert, probs
         row_slot = self._row_slot
@@ -160,6 +160,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             ep_rank=self.ep_rank,
             topk=self.config.moe_router_topk,
             routing_map=self.routing_map,
+            validate=False,  # counts come from this very routing map
         )
         self._row_slot = None
         return tokens, tokens_per_expert, probs

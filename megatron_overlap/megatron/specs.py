@@ -97,12 +97,24 @@ def use_gatherrs_in_spec(spec: Any) -> Any:
 
 
 def get_gpt_layer_local_spec(*args, **kwargs) -> ModuleSpec:
-    """Megatron's `get_gpt_layer_local_spec` (same arguments) with the fused-path MoE layer."""
+    """Megatron's `get_gpt_layer_local_spec` (same arguments) with the fused-path MoE layer.
+
+    Raises:
+        ValueError: see `use_gatherrs_in_moe_spec`.
+    """
     return use_gatherrs_in_spec(_mc_specs.get_gpt_layer_local_spec(*args, **kwargs))
 
 
-def get_gpt_decoder_block_spec(config, *args, **kwargs) -> TransformerBlockSubmodules:
-    """Megatron's `get_gpt_decoder_block_spec(config, use_transformer_engine=False, ...)` with
-    the fused-path MoE layers (dense layers of `moe_layer_freq` stay dense)."""
-    kwargs.setdefault("use_transformer_engine", False)
-    return use_gatherrs_in_spec(_mc_specs.get_gpt_decoder_block_spec(config, *args, **kwargs))
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, *args,
+                               **kwargs) -> TransformerBlockSubmodules:
+    """Megatron's `get_gpt_decoder_block_spec(config, use_transformer_engine, ...)` (same
+    arguments; `use_transformer_engine` defaults to False here) with the fused-path MoE
+    layers (dense layers of `moe_layer_freq` stay dense).
+
+    Raises:
+        ValueError: a MoE layer whose experts are not `SequentialMLP`, e.g. with
+            `use_transformer_engine=True` (Transformer Engine grouped experts are not
+            supported; see `use_gatherrs_in_moe_spec`).
+    """
+    return use_gatherrs_in_spec(_mc_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine, *args, **kwargs))

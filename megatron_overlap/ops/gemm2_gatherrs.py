@@ -79,6 +79,17 @@ def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,
     return "reference"
 
 
+def _check_types(meta, options, prepared=None) -> None:
+    if not isinstance(meta, GatherRSMetadata):
+        raise TypeError(f"meta must be a GatherRSMetadata (build_metadata), got "
+                        f"{type(meta).__name__}")
+    if not isinstance(options, GatherRSOptions):
+        raise TypeError(f"options must be a GatherRSOptions, got {type(options).__name__}")
+    if prepared is not None and not hasattr(prepared, "run"):
+        raise TypeError(f"prepared must come from prepare_gemm2_gatherrs, got "
+                        f"{type(prepared).__name__}")
+
+
 def prepare_gemm2_gatherrs(
     h_like: torch.Tensor,
     w2: torch.Tensor,
@@ -103,6 +114,7 @@ def prepare_gemm2_gatherrs(
     Raises:
         ValueError: unknown backend; RuntimeError: "triton" where it cannot run.
     """
+    _check_types(meta, options)
     backend = resolve_backend(options.backend, h_like, w2, group)
     if backend == "reference":
         return None
@@ -153,6 +165,7 @@ def gemm2_gatherrs(
             (Triton: reported by the call that finds the record, this one or a later one on
             the same workspace; `GatherRSWorkspace.check_errors()` checks now).
     """
+    _check_types(meta, options, prepared)
     check_operands(h, w2, meta)
     if prepared is not None:
         return prepared.run(h, w2)

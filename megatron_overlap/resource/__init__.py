@@ -200,6 +200,10 @@ def plan_gemm2_gatherrs(
             tile time for `tile` (each message names the value and what was expected).
         TypeError: a size is not an int.
     """
+    if not isinstance(meta, GatherRSMetadata):
+        raise TypeError(f"meta must be a GatherRSMetadata, got {type(meta).__name__}")
+    if not isinstance(options, GatherRSOptions):
+        raise TypeError(f"options must be a GatherRSOptions, got {type(options).__name__}")
     override = options.num_comm_ctas
     if num_sms is not None:
         _positive_int("num_sms", num_sms)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,7 +23,13 @@ from megatron_overlap import gemm2_gatherrs_reference
 from megatron_overlap.metadata import build_metadata, source_slots
 from tests.support.asserts import describe_mismatch
 from tests.support.dist import for_each_case, run_distributed
-from tests.support.op_problem import OpCase, dense_output, global_tensors, rank_operands
+from tests.support.op_problem import (
+    OpCase,
+    dense_output,
+    global_tensors,
+    rank_operands,
+    routing_maps,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
 
@@ -126,9 +133,35 @@ def test_bad_inputs_raise():
     with pytest.raises(TypeError, match="must match"):
         gemm2_gatherrs_reference(h, w2.double(), meta)
     with pytest.raises(ValueError, match="counts must be"):
-        build_metadata(counts=meta.rows_per_expert_per_chunk, row_slot=torch.zeros(0),
+        build_metadata(counts=meta.rows_per_expert_per_chunk,
+                       row_slot=torch.zeros(0, dtype=torch.int32),
                        dest_token_mask=torch.zeros(5, 1, dtype=torch.bool), tp_size=1,
                        tp_rank=0, ep_size=1, ep_rank=0, topk=2)
+    # Each bad argument is named (what a new user tried: ranks, top-k, types, counts).
+    maps = routing_maps(case)
+    row_slot, mask, per_ep = source_slots(maps[0], ep_size=1)
+    good = dict(counts=torch.cat([maps[0].sum(0), per_ep]).numpy()[None], row_slot=row_slot,
+                dest_token_mask=mask, tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, topk=2,
+                routing_map=maps[0])
+    build_metadata(**good)
+    for change, error, match in [
+        (dict(tp_rank=1), ValueError, "tp_rank=1 of tp_size=1"),
+        (dict(ep_rank=-1), ValueError, "ep_rank=-1"),
+        (dict(topk=0), ValueError, "topk=0"),
+        (dict(topk=1), ValueError, "topk=1 is smaller"),
+        (dict(topk=2.5), TypeError, "topk=2.5"),
+        (dict(row_slot=row_slot.float()), TypeError, "row_slot must be a integer"),
+        (dict(row_slot=row_slot.numpy()), TypeError, "row_slot must be a torch.Tensor"),
+        (dict(row_slot=row_slot[:, None]), ValueError, "1-D"),
+        (dict(row_slot=row_slot + 5), ValueError, "row_slot values out of range"),
+        (dict(dest_token_mask=None), ValueError, "dest_token_mask is required"),
+        (dict(dest_token_mask=torch.ones(5, 2, dtype=torch.bool)), ValueError, "EP=1"),
+        (dict(counts=good["counts"][:, [1, 0, 2, 3, 4]]), ValueError, "disagrees"),
+    ]:
+        if "counts" in change and np.array_equal(change["counts"], good["counts"]):
+            continue  # the permuted counts happen to be equal
+        with pytest.raises(error, match=match):
+            build_metadata(**dict(good, **change))
     two_rank = dataclasses.replace(meta, tp_size=2)
     with pytest.raises(ValueError, match="tp_ep process group"):
         gemm2_gatherrs_reference(h, w2, two_rank, None)
