@@ -42,6 +42,24 @@ def test_command_line_arguments():
     on = parser.parse_args(["--moe-gatherrs-overlap"])
     with pytest.raises(ValueError, match="add_bias_linear"):
         apply_gatherrs_args(_config(add_bias_linear=True), on)
+    # A rejected call leaves the config as it was; a Namespace without the fields is named.
+    config = _config()
+    nan = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-timeout-s", "nan"])
+    with pytest.raises(ValueError, match="timeout"):
+        apply_gatherrs_args(config, nan)
+    assert config.moe_gatherrs_overlap is False and config.moe_gatherrs_timeout_s == 30.0
+    with pytest.raises(ValueError, match="add_gatherrs_args"):
+        apply_gatherrs_args(config, argparse.Namespace())
+
+
+def test_decoder_block_spec_takes_megatrons_arguments():
+    from megatron_overlap.megatron import GatherRSMoELayer, get_gpt_decoder_block_spec
+
+    config = _config()
+    for spec in (get_gpt_decoder_block_spec(config, pp_rank=0),
+                 get_gpt_decoder_block_spec(config, False, pp_rank=0),  # Megatron's form
+                 get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)):
+        assert all(s.submodules.mlp.func is GatherRSMoELayer for s in spec.layer_specs)
 
 
 def test_spec_rewriting():
