@@ -103,7 +103,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
             _all_gather_flat(gathered, counts, group=self.tp_ep_group)
             counts = gathered
-        self._counts = counts.view(self.tp_size * self.ep_size, -1).cpu().numpy()
+        # Copied to the host in dispatch_postprocess, not here: Megatron's own host sync
+        # (token counts for the all-to-all) comes first, so this one waits for nothing.
+        self._counts_dev = counts.view(self.tp_size * self.ep_size, -1)
         return out
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
@@ -123,6 +125,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         tokens, tokens_per_expert, probs = super().dispatch_postprocess(
             global_input_tokens, global_probs
         )
+        self._counts = self._counts_dev.cpu().numpy()
+        self._counts_dev = None
         if self._row_slot is None:  # the Triton path: counts and the routing map suffice
             self.metadata = build_metadata(
                 counts=self._counts, row_slot=None, dest_token_mask=None,
