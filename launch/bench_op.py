@@ -101,6 +101,34 @@ def timed_prepared(prepare, h, w2, args):
     return {"p20": q[1], "p50": statistics.median(times), "p80": q[7]}
 
 
+def timed_prepared_interleaved(prepares, h, w2, args):
+    """`timed_prepared` for several configurations at once, their runs interleaved (round r
+    runs every configuration once, starting at a different one each round), so that a slow
+    phase of the machine hits all of them alike instead of one configuration's whole sample.
+    Returns one p20/p50/p80 dict per entry of `prepares`."""
+    times = [[] for _ in prepares]
+    n = len(prepares)
+    for r in range(args.warmup + args.iters):
+        for j in range(n):
+            i = (r + j) % n
+            pending = prepares[i]()
+            torch.cuda.synchronize()
+            dist.barrier()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending.run(h, w2)
+            end.record()
+            end.synchronize()
+            if r >= args.warmup:
+                times[i].append(start.elapsed_time(end))
+    out = []
+    for t in times:
+        q = statistics.quantiles(t, n=10) if len(t) > 1 else t * 9
+        out.append({"p20": q[1], "p50": statistics.median(t), "p80": q[7]})
+    return out
+
+
 def peer_bandwidth_gbps(device, num_bytes: int = 1 << 30) -> float:
     """Copy-engine bandwidth of one rank storing into its neighbour's symmetric buffer."""
     import torch.distributed._symmetric_memory as symm_mem

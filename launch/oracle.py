@@ -175,15 +175,18 @@ def gpu_run(args) -> int:
             step = args.k_step or oracle.auto_step(plan.num_ctas, float(per_run),
                                                    args.warmup + args.iters, budget_each)
             grid = oracle.k_grid(plan.num_ctas, step)
+            # Prepared calls, as the layer runs them (host work overlaps FC1 there); every k
+            # and the plan measured interleaved, round by round (noise hits all alike).
+            options = [GatherRSOptions(backend="triton", num_comm_ctas=min(k, num_sms))
+                       for k in grid]
+            prepares = [lambda o=o: prep(options=o) for o in options]
+            times = bench_op.timed_prepared_interleaved(
+                prepares + [lambda: prep(plan_=plan)], h, w2, args)
             new = []
-            for k in grid:
-                opts = GatherRSOptions(backend="triton", num_comm_ctas=min(k, num_sms))
-                # Prepared calls, as the layer runs them (host work overlaps FC1 there).
-                t = bench_op.timed_prepared(lambda opts=opts: prep(options=opts), h, w2, args)
-                pred = plan_for(meta, shape, tp, maps, rank, num_sms, opts).predicted_us / 1e3
+            for k, o, t in zip(grid, options, times):
+                pred = plan_for(meta, shape, tp, maps, rank, num_sms, o).predicted_us / 1e3
                 new.append((k, _slowest(t, pred, device, group)))
-            t = bench_op.timed_prepared(lambda: prep(plan_=plan), h, w2, args)
-            plan_vals = _slowest(t, plan.predicted_us / 1e3, device, group)
+            plan_vals = _slowest(times[-1], plan.predicted_us / 1e3, device, group)
         ks = [plan.num_comm_ctas] * world
         if group is not None:
             gathered = [None] * world
