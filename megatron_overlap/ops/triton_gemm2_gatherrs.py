@@ -145,7 +145,8 @@ def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> Dire
     within = np.cumsum(counts, axis=0) - counts  # rows of experts < l in chunk c
     dest_row = offsets[dests, me][None, :] + within  # [L, R]
     # Flatten (l, c) in destination order, then expert order.
-    key = (dests - me - 1) % group_size  # this rank's own chunk last
+    position = {d: i for i, d in enumerate(destination_order(me, group_size))}
+    key = np.array([position[d] for d in dests])  # remote round-robin, this rank's own last
     c_order = np.argsort(key, kind="stable")
     l_idx, c_idx = np.meshgrid(np.arange(num_local), c_order, indexing="xy")
     l_idx, c_idx = l_idx.reshape(-1), c_idx.reshape(-1)  # c-major, l inner
