@@ -103,8 +103,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
             _all_gather_flat(gathered, counts, group=self.tp_ep_group)
             counts = gathered
-        # Copied to the host in dispatch_postprocess, not here: Megatron's own host sync
-        # (token counts for the all-to-all) comes first, so this one waits for nothing.
+        # Copied to the host in dispatch_postprocess, not here: by then the token all-to-all
+        # and Megatron's postprocess are enqueued, so the GPU has work while the host waits.
         self._counts_dev = counts.view(self.tp_size * self.ep_size, -1)
         return out
 
