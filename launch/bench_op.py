@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_overlap.bench.cli import non_negative_int, positive_int
 from megatron_overlap.bench.report import plot, table
 from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions
@@ -298,20 +299,27 @@ def git_sha() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--layouts", nargs="+", choices=("ep", "tp"), default=["ep", "tp"])
-    parser.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--models", nargs="+", default=list(MODELS),
+                        help="model shapes (configs/models/*.yaml)")
+    parser.add_argument("--tokens", nargs="+", type=positive_int,
+                        default=[2048, 4096, 8192, 16384], help="tokens per rank")
+    parser.add_argument("--layouts", nargs="+", choices=("ep", "tp"), default=["ep", "tp"],
+                        help="ep: EP = world size; tp: TP = world size")
+    parser.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
+                        help="routing distribution (megatron_overlap.bench.workloads)")
+    parser.add_argument("--warmup", type=non_negative_int, default=5,
+                        help="untimed runs per provider")
+    parser.add_argument("--iters", type=positive_int, default=20,
+                        help="timed runs per provider (median)")
+    parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="extra tile configurations to time (prepared), e.g. "
                              "128x256x64w8s3 128x128x64w8s3dyn (rows ours[...] / nocomm[...])")
-    parser.add_argument("--comm-ctas", nargs="*", type=int, default=[],
+    parser.add_argument("--comm-ctas", nargs="*", type=positive_int, default=[],
                         help="also time the op (prepared) with these forced communication-CTA "
                              "counts (rows ours[k=...])")
-    parser.add_argument("--out", default="results/bench_op.jsonl")
+    parser.add_argument("--out", default="results/bench_op.jsonl",
+                        help="JSON rows (appended); a PNG plot next to it")
     parser.add_argument("--stack-dump-s", type=float, default=300.0,
                         help="print every thread's stack each this many seconds (stuck runs)")
     args = parser.parse_args()

@@ -38,6 +38,7 @@ if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(_HERE))  # run from a checkout without `pip install`
 
 from megatron_overlap.bench import oracle  # noqa: E402
+from megatron_overlap.bench.cli import non_negative_int, positive_float, positive_int  # noqa: E402
 from megatron_overlap.bench.workloads import rank_rows, routing_maps  # noqa: E402
 from megatron_overlap.config import GatherRSOptions  # noqa: E402
 from megatron_overlap.models import load_model_shape  # noqa: E402
@@ -120,10 +121,10 @@ def _write(path, rows):
 
 
 def gpu_run(args) -> int:
+    import bench_op  # launch/bench_op.py: timed(), git_sha()
     import torch
     import torch.distributed as dist
 
-    import bench_op  # launch/bench_op.py: timed(), git_sha()
     from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -233,21 +234,25 @@ def _slowest(t, predicted_ms, device, group):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(oracle.MODELS))
-    parser.add_argument("--tokens", nargs="+", type=int, default=None,
+    parser.add_argument("--models", nargs="+", default=list(oracle.MODELS),
+                        help="model shapes (configs/models/*.yaml) of the suite")
+    parser.add_argument("--tokens", nargs="+", type=positive_int, default=None,
                         help="replace the suite's tokens per rank with these")
-    parser.add_argument("--k-step", type=int, default=0,
+    parser.add_argument("--k-step", type=non_negative_int, default=0,
                         help="measure every k-th feasible k (0: fit --budget-s)")
-    parser.add_argument("--budget-s", type=float, default=200.0,
+    parser.add_argument("--budget-s", type=positive_float, default=200.0,
                         help="seconds of timed runs over the whole suite for --k-step 0")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/oracle.jsonl")
+    parser.add_argument("--warmup", type=non_negative_int, default=3,
+                        help="untimed runs per k before the timed ones")
+    parser.add_argument("--iters", type=positive_int, default=20,
+                        help="timed runs per k (median); >= 20 for the issue's oracle")
+    parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    parser.add_argument("--out", default="results/oracle.jsonl",
+                        help="JSON rows (appended); summary, table and plot next to it")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: plans and predicted times only (one process)")
-    parser.add_argument("--world", type=int, default=2, help="ranks of the --dry-run")
-    parser.add_argument("--num-sms", type=int, default=None,
+    parser.add_argument("--world", type=positive_int, default=2, help="ranks of the --dry-run")
+    parser.add_argument("--num-sms", type=positive_int, default=None,
                         help="SMs for --dry-run (default: the profile's)")
     parser.add_argument("--profile", default=None, help="hardware profile for --dry-run")
     args = parser.parse_args(argv)

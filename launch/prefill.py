@@ -64,6 +64,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without `pip install`
 
+from megatron_overlap.bench.cli import non_negative_int, positive_int  # noqa: E402
 from megatron_overlap.bench.measure import (  # after the sys.path line
     Timer,
     allocated_bytes,
@@ -155,24 +156,8 @@ output: rank 0 prints a markdown table and appends one JSON row per (model, layo
 # --------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
-    return value
+_positive_int = positive_int  # launch/bench_layer.py imports these names from here
+_non_negative_int = non_negative_int
 
 
 def build_parser() -> argparse.ArgumentParser:

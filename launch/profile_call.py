@@ -20,12 +20,17 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_overlap.bench.cli import positive_int
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen3-30b-a3b")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--model", default="qwen3-30b-a3b",
+                        help="model shape (configs/models/*.yaml)")
+    parser.add_argument("--tokens", type=positive_int, default=4096,
+                        help="tokens per rank")
+    parser.add_argument("--iters", type=positive_int, default=20,
+                        help="profiled calls (median per stage)")
     args = parser.parse_args()
 
     from megatron_overlap.bench.workloads import rank_rows, routing_maps

@@ -122,3 +122,22 @@ def test_regret_summary_table_and_plot(tmp_path):
     path = tmp_path / "oracle.png"
     oracle.plot(rows, list(s.values()), str(path))
     assert path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("oracle.py", ["--dry-run", "--tokens", "-5"], "--tokens: '-5': expected an integer >= 1"),
+    ("oracle.py", ["--dry-run", "--num-sms", "0"], "--num-sms: '0': expected an integer >= 1"),
+    ("calibrate.py", ["--dry-run", "--ffn", "0", "--out", "x.yaml"], "--ffn: '0'"),
+    ("calibrate.py", ["--dry-run", "--ctas", "-1", "--out", "x.yaml"], "--ctas: '-1'"),
+    ("bench_op.py", ["--iters", "0"], "--iters: '0': expected an integer >= 1"),
+    ("profile_call.py", ["--tokens", "x"], "--tokens: 'x'"),
+])
+def test_launchers_reject_bad_values(script, args, message, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launch = Path(__file__).resolve().parents[2] / "launch" / script
+    proc = subprocess.run([sys.executable, str(launch), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
