@@ -31,14 +31,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_overlap.bench.cli import non_negative_int, positive_int
+from megatron_overlap.bench.cli import add_timing_args, init_cuda_group, positive_int
 from megatron_overlap.bench.report import plot, table
 from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions
@@ -307,11 +306,7 @@ def main() -> int:
                         help="ep: EP = world size; tp: TP = world size")
     parser.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
                         help="routing distribution (megatron_overlap.bench.workloads)")
-    parser.add_argument("--warmup", type=non_negative_int, default=5,
-                        help="untimed runs per provider")
-    parser.add_argument("--iters", type=positive_int, default=20,
-                        help="timed runs per provider (median)")
-    parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    add_timing_args(parser, warmup=5, iters=20, per="per provider")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="extra tile configurations to time (prepared), e.g. "
                              "128x256x64w8s3 128x128x64w8s3dyn (rows ours[...] / nocomm[...])")
@@ -325,13 +320,9 @@ def main() -> int:
     args = parser.parse_args()
 
     faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)  # a stuck run says where
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if not torch.cuda.is_available():
-        print(f"{__file__}: needs CUDA GPUs (none visible)", file=sys.stderr)
+    device = init_cuda_group(__file__)
+    if device is None:
         return 2
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
     bandwidth = peer_bandwidth_gbps(device)
     rows = []
     info = dict(gpu=torch.cuda.get_device_name(device), world=dist.get_world_size(),

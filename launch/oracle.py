@@ -38,7 +38,13 @@ if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(_HERE))  # run from a checkout without `pip install`
 
 from megatron_overlap.bench import oracle  # noqa: E402
-from megatron_overlap.bench.cli import non_negative_int, positive_float, positive_int  # noqa: E402
+from megatron_overlap.bench.cli import (  # noqa: E402
+    add_timing_args,
+    init_cuda_group,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from megatron_overlap.bench.workloads import rank_rows, routing_maps  # noqa: E402
 from megatron_overlap.config import GatherRSOptions  # noqa: E402
 from megatron_overlap.models import load_model_shape  # noqa: E402
@@ -127,14 +133,9 @@ def gpu_run(args) -> int:
 
     from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if not torch.cuda.is_available():
-        print(f"{__file__}: needs CUDA GPUs (none visible); --dry-run runs on a CPU",
-              file=sys.stderr)
+    device = init_cuda_group(__file__, "; --dry-run runs on a CPU")
+    if device is None:
         return 2
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD if world > 1 else None
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -242,11 +243,8 @@ def main(argv=None) -> int:
                         help="measure every k-th feasible k (0: fit --budget-s)")
     parser.add_argument("--budget-s", type=positive_float, default=200.0,
                         help="seconds of timed runs over the whole suite for --k-step 0")
-    parser.add_argument("--warmup", type=non_negative_int, default=3,
-                        help="untimed runs per k before the timed ones")
-    parser.add_argument("--iters", type=positive_int, default=20,
-                        help="timed runs per k (median); >= 20 for the issue's oracle")
-    parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    add_timing_args(parser, warmup=3, iters=20, per="per k",
+                    iters_help="; >= 20 for the issue's oracle")
     parser.add_argument("--out", default="results/oracle.jsonl",
                         help="JSON rows (appended); summary, table and plot next to it")
     parser.add_argument("--dry-run", action="store_true",

@@ -12,15 +12,13 @@ one call. Rank 0 prints. A development tool; the numbers go into docs/perf_notes
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from megatron_overlap.bench.cli import positive_int
+from megatron_overlap.bench.cli import init_cuda_group, positive_int
 
 
 def main() -> int:
@@ -40,13 +38,9 @@ def main() -> int:
     from megatron_overlap.resource import plan_gemm2_gatherrs
     from megatron_overlap.symm import destroy_workspaces, get_workspace
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if not torch.cuda.is_available():
-        print(f"{__file__}: needs CUDA GPUs (none visible)", file=sys.stderr)
+    device = init_cuda_group(__file__)
+    if device is None:
         return 2
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
     world, rank = dist.get_world_size(), dist.get_rank()
     shape = load_model_shape(args.model)
     maps = routing_maps([args.tokens] * world, shape.num_moe_experts, shape.moe_router_topk,

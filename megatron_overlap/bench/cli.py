@@ -35,3 +35,37 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
     return value
+
+
+def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int, per: str,
+                    iters_help: str = "") -> None:
+    """--warmup, --iters and --seed, as every GPU launcher takes them (`per` says what one
+    sample is: "per k", "per provider", ...)."""
+    parser.add_argument("--warmup", type=non_negative_int, default=warmup,
+                        help=f"untimed runs {per} before the timed ones")
+    parser.add_argument("--iters", type=positive_int, default=iters,
+                        help=f"timed runs {per} (median){iters_help}")
+    parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
+
+
+def init_cuda_group(script: str, hint: str = ""):
+    """Bind this torchrun rank to its GPU (LOCAL_RANK) and start the NCCL process group.
+
+    Returns:
+        the rank's `torch.device`, or None after printing that `script` needs CUDA GPUs
+        (the caller exits with status 2).
+    """
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        print(f"{script}: needs CUDA GPUs (none visible){hint}", file=sys.stderr)
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    return device
