@@ -171,3 +171,26 @@ def test_bad_inputs_raise():
 def test_reference_op_matches_dense_formula(world):
     cases = _cases(world)
     check_results(cases, run_distributed(_worker, world, cases, timeout_s=240))
+
+
+def test_prepare_and_type_errors_of_the_op():
+    """On the CPU nothing is prepared (the reference path runs); bad argument types are
+    named instead of failing deep inside."""
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
+
+    case = OpCase(1, 1, num_experts=4, topk=2, tokens_per_rank=[5])
+    h, w2, meta = rank_operands(case, 0)
+    opts = GatherRSOptions(backend="reference")
+    assert prepare_gemm2_gatherrs(h, w2, meta, group=None, options=opts) is None
+    out = gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared=None)
+    assert torch.equal(out, gemm2_gatherrs_reference(h, w2, meta, None))
+    with pytest.raises(TypeError, match="meta must be a GatherRSMetadata"):
+        gemm2_gatherrs(h, w2, None, group=None, options=opts)
+    with pytest.raises(TypeError, match="options must be a GatherRSOptions"):
+        prepare_gemm2_gatherrs(h, w2, meta, group=None, options={"backend": "reference"})
+    with pytest.raises(TypeError, match="prepared must come from prepare_gemm2_gatherrs"):
+        gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared="x")
+    with pytest.raises(RuntimeError, match="need CUDA"):
+        prepare_gemm2_gatherrs(h, w2, meta, group=None,
+                               options=GatherRSOptions(backend="triton"))
