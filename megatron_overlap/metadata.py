@@ -21,7 +21,9 @@ Two orders of ranks appear and are never mixed up:
 The source side computes, for every routed row it sends, the row's *slot*: the position of its
 token among this rank's tokens routed to the destination EP rank (`source_slots`). The slots
 travel with the dispatch (4 bytes a row); the expert side then knows, without token indices,
-which of its rows belong to one token and where that token's pre-reduced row goes.
+which of its rows belong to one token and where that token's pre-reduced row goes. That is
+what the reference path does; the Triton backend sums every row where its token lives and
+needs only the exchanged counts and the routing map (`build_metadata(row_slot=None, ...)`).
 """
 
 from __future__ import annotations

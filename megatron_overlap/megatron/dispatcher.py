@@ -1,10 +1,12 @@
 """Alltoall token dispatcher whose combine half is the fused GEMM2 + GatherRS operation.
 
-The dispatch half is Megatron's `MoEAlltoAllTokenDispatcher`, unchanged, plus 4 bytes per
-routed row: each row's *slot* (`metadata.source_slots`) travels with the tokens, so the
-expert side knows which of its rows belong to one source token without token indices, and a
-small all-gather of routing counts gives every rank the tokens per local expert per source
-rank (also with one local expert, where Megatron does not keep them).
+The dispatch half is Megatron's `MoEAlltoAllTokenDispatcher`, unchanged, plus a small
+all-gather of routing counts (every rank's tokens per expert), from which every rank knows
+the tokens per local expert per source rank and the row layout of every receive buffer
+(also with one local expert, where Megatron does not keep them). When the reference path
+will run, each routed row's *slot* (`metadata.source_slots`, 4 bytes a row) also travels
+with the tokens, so the expert side can pre-reduce a token's rows; the Triton path needs no
+slots (its rows are summed where their token lives) and skips them.
 
 The combine half (`gemm2_gatherrs_combine`) replaces Megatron's `combine_preprocess`
 (unsort + TP reduce-scatter), `token_combine` (EP all-to-all) and the un-permute of
@@ -57,8 +59,10 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     Same constructor as `MoEAlltoAllTokenDispatcher`. After `dispatch_postprocess`,
     `metadata` holds this call's `GatherRSMetadata` (TP/EP group sizes and ranks, tokens per
-    local expert per source rank, slots); `gemm2_gatherrs_combine` asks the resource manager
-    for a plan (kept in `plan`) and runs the fused operation.
+    local expert per source rank, every rank's tokens per expert, the routing map; slots for
+    the reference path). `prepare_combine` (called by `GatherRSMoELayer` while FC1 runs) asks
+    the resource manager for a plan (kept in `plan`) and does the Triton call's host work;
+    `gemm2_gatherrs_combine` runs the fused operation.
 
     Raises:
         ValueError: the config is not supported by the fused path (`validate_gatherrs_config`).
@@ -75,7 +79,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.num_plans = 0  # resource-manager calls so far (one per forward)
         self._num_sms = None
 
-    # ---- dispatch half: Megatron's, plus the slots -------------------------------------
+    # ---- dispatch half: Megatron's, plus the counts (and slots for the reference path) -
 
     def _triton_will_run(self, hidden_states: torch.Tensor) -> bool:
         """Whether this forward's combine will run the Triton kernels, which need no slots:
