@@ -85,20 +85,7 @@ def timed(fn, warmup: int, iters: int):
 def timed_prepared(prepare, h, w2, args):
     """p20/p50/p80 ms of running calls that were prepared (host work) before the timing
     starts, as the Megatron layer runs them (there the preparation overlaps FC1)."""
-    times = []
-    for i in range(args.warmup + args.iters):
-        pending = prepare()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        pending.run(h, w2)
-        end.record()
-        end.synchronize()
-        if i >= args.warmup:
-            times.append(start.elapsed_time(end))
-    q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
-    return {"p20": q[1], "p50": statistics.median(times), "p80": q[7]}
+    return timed_prepared_interleaved([prepare], h, w2, args)[0]
 
 
 def timed_prepared_interleaved(prepares, h, w2, args):

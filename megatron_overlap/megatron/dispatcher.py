@@ -124,22 +124,34 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return tokens, probs
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
-        """Megatron's TP all-gather + sort by local expert, applied to the slots too; then
-        builds `metadata`."""
+        """Megatron's TP all-gather + sort by local expert (applied to the slots too, where
+        the reference path needs them); then builds `metadata`."""
         tokens, tokens_per_expert, probs = super().dispatch_postprocess(
             global_input_tokens, global_probs
         )
         self._counts = self._counts_dev.cpu().numpy()
         self._counts_dev = None
-        if self._row_slot is None:  # the Triton path: counts and the routing map suffice
-            self.metadata = build_metadata(
-                counts=self._counts, row_slot=None, dest_token_mask=None,
-                tp_size=self.tp_size, tp_rank=self.tp_rank, ep_size=self.ep_size,
-                ep_rank=self.ep_rank, topk=self.config.moe_router_topk,
-                routing_map=self.routing_map, validate=False,
-            )
-            return tokens, tokens_per_expert, probs
-        row_slot = self._row_slot
+        row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
+        if row_slot is not None:
+            row_slot = self._gather_and_sort_slots(row_slot)
+        self.metadata = build_metadata(
+            counts=self._counts,
+            row_slot=row_slot,
+            dest_token_mask=self._dest_token_mask,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            topk=self.config.moe_router_topk,
+            routing_map=self.routing_map,
+            validate=False,  # counts come from this very routing map
+        )
+        self._row_slot = None
+        return tokens, tokens_per_expert, probs
+
+    def _gather_and_sort_slots(self, row_slot: torch.Tensor) -> torch.Tensor:
+        """The received rows' slots in `h` order: Megatron's TP all-gather and sort by local
+        expert, applied to them as to the tokens."""
         num_experts = self._counts.shape[1] - self.ep_size
         nle = self.num_local_experts
         local = slice(self.ep_rank * nle, (self.ep_rank + 1) * nle)
@@ -158,20 +170,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 self.sort_input_by_local_experts.cpu(),
             )
             row_slot = row_slot.view(-1)
-        self.metadata = build_metadata(
-            counts=self._counts,
-            row_slot=row_slot,
-            dest_token_mask=self._dest_token_mask,
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
-            ep_size=self.ep_size,
-            ep_rank=self.ep_rank,
-            topk=self.config.moe_router_topk,
-            routing_map=self.routing_map,
-            validate=False,  # counts come from this very routing map
-        )
-        self._row_slot = None
-        return tokens, tokens_per_expert, probs
+        return row_slot
 
     # ---- combine half: one fused operation ---------------------------------------------
 

@@ -167,20 +167,8 @@ def gemm2_gatherrs(
     """
     _check_types(meta, options, prepared)
     check_operands(h, w2, meta)
-    if prepared is not None:
-        return prepared.run(h, w2)
-    backend = resolve_backend(options.backend, h, w2, group)
-    if backend == "reference":
+    if prepared is None:
+        prepared = prepare_gemm2_gatherrs(h, w2, meta, group=group, options=options, plan=plan)
+    if prepared is None:
         return gemm2_gatherrs_reference(h, w2, meta, group)
-
-    from megatron_overlap.ops.triton_gemm2_gatherrs import compiled_resources, gemm2_gatherrs_triton
-    from megatron_overlap.symm import get_workspace
-
-    if plan is None:
-        num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms, hidden=w2.shape[1],
-                                   ffn=h.shape[1], elem_bytes=h.element_size(),
-                                   kernel=compiled_resources(h.dtype, h.shape[1], w2.shape[1]))
-    workspace = get_workspace(group, hidden=w2.shape[1], dtype=h.dtype, device=h.device)
-    return gemm2_gatherrs_triton(h, w2, meta, workspace=workspace, plan=plan,
-                                 timeout_s=options.timeout_s)
+    return prepared.run(h, w2)

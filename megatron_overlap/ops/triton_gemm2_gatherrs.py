@@ -20,7 +20,7 @@ Per call, on this rank (DESIGN.md §3):
      metadata: `_Call` does them at construction ("prepare"), which the Megatron layer does
      while FC1 runs;
   3. the error record is copied to pinned memory asynchronously and checked at the start of
-     the next call on the workspace (or now with `sync_errors=True`, or by
+     the next call on the workspace (or now with `finish(sync_errors=True)`, or by
      `GatherRSWorkspace.check_errors()`): a finalize that timed out raises RuntimeError
      naming the rank, the sender, the value seen and the value waited for.
 
@@ -30,7 +30,6 @@ compiling, so no rank's finalize waits out a peer's JIT compilation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,11 +72,6 @@ INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
 """Small tiles for the Triton interpreter (speed)."""
 FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
-
-
-def interpreting() -> bool:
-    """Whether Triton runs in interpreter mode (TRITON_INTERPRET=1, CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def default_tile(device: torch.device) -> TileConfig:
@@ -268,7 +262,9 @@ class _Call:
     targets are already counted.
 
     Args:
-        meta, ws, plan: as `gemm2_gatherrs_triton`.
+        meta: routing metadata with the routing map (`build_metadata(..., routing_map=...)`).
+        ws: this group's `GatherRSWorkspace` (`symm.get_workspace`).
+        plan: the resource manager's plan (grid, CTAs taking remote-bound tiles first).
         hidden: H; dtype, device: of the operands.
         timeout_s: bound of every spin-wait.
         tile: tile configuration (default: `default_tile(device)`).
@@ -411,35 +407,3 @@ class _Call:
             self.ws.check_errors(block=True)
         return self.out
 
-
-def gemm2_gatherrs_triton(
-    h: torch.Tensor,
-    w2: torch.Tensor,
-    meta: GatherRSMetadata,
-    *,
-    workspace: GatherRSWorkspace,
-    plan: Plan,
-    timeout_s: float,
-    sync_errors: bool = False,
-    tile: Optional[TileConfig] = None,
-) -> torch.Tensor:
-    """The fused op on the Triton kernels; same contract as `gemm2_gatherrs_reference`.
-
-    Args:
-        h, w2, meta: as `gemm2_gatherrs_reference` (`meta` built with `routing_map`).
-        workspace: this group's `GatherRSWorkspace` (`symm.get_workspace`).
-        plan: the resource manager's plan (grid, CTAs taking remote-bound tiles first).
-        timeout_s: bound on every spin-wait.
-        sync_errors: check the error record before returning (a host sync) instead of at
-            the next call on the workspace.
-        tile: GEMM2 tile configuration (default `default_tile`).
-
-    Raises:
-        RuntimeError: a bounded wait of this call (with `sync_errors`) or of an earlier call
-            on the workspace expired (names the rank, the sender, what it saw and what it
-            waited for).
-    """
-    call = _Call(meta, workspace, plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
-                 timeout_s=timeout_s, tile=tile)
-    call.send(h, w2)
-    return call.finish(sync_errors=sync_errors)

@@ -16,16 +16,19 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.launch import (
+    BROKEN_FLAG_ON,
+    REPO,
+    explain,
+    run_launcher,
+)
+
 LAUNCHER = REPO / "launch" / "bench_layer.py"
 SEQ = 32
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-lengths", str(SEQ), "--warmup", "1",
@@ -33,48 +36,12 @@ COMMON = ["--device", "cpu", "--model", "tiny", "--seq-lengths", str(SEQ), "--wa
 TIMEOUT_S = 240
 FP32_TOLERANCE = 1e-5  # bench_layer.TOLERANCE["fp32"]
 
-BROKEN_FLAG_ON = """
-import runpy, sys
-from megatron_overlap.megatron.moe_layer import GatherRSMoELayer
-
-original = GatherRSMoELayer.routed_experts_compute
-
-def halved(self, hidden_states, probs):
-    output, bias = original(self, hidden_states, probs)
-    return (output * 0.5 if self.gatherrs else output), bias
-
-GatherRSMoELayer.routed_experts_compute = halved
-sys.argv = [sys.argv[1]] + sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _launch(tmp_path: Path, nproc: int, *args: str, script: Path = LAUNCHER):
-    out = tmp_path / "layer.jsonl"
-    cmd = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}"]
-    cmd.append(str(script))
-    if script != LAUNCHER:
-        cmd.append(str(LAUNCHER))
-    cmd += [*COMMON, *args, "--out", str(out)]
-    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    return proc, rows
+    return run_launcher(LAUNCHER, tmp_path, nproc, [*COMMON, *args], out_name="layer.jsonl",
+                        timeout_s=TIMEOUT_S, wrapper=None if script == LAUNCHER else script)
 
 
-def _explain(proc: subprocess.CompletedProcess) -> str:
-    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
-            f"{proc.stderr[-4000:]}")
+_explain = explain
 
 
 @functools.cache

@@ -18,7 +18,6 @@ import datetime
 import functools
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.launch import (
+    BROKEN_FLAG_ON,
+    REPO,
+    explain,
+    launcher_env,
+    run_launcher,
+)
+
 LAUNCHER = REPO / "launch" / "prefill.py"
 SEQ = 32
 COMMON = [
@@ -46,68 +52,13 @@ COMMON = [
 TIMEOUT_S = 180
 FP32_TOLERANCE = 1e-5  # launch/prefill.py TOLERANCE["fp32"]
 
-#: Wrapper that breaks the flag-on path (halves the routed experts' output of every fused MoE
-#: layer), then runs the launcher as __main__.
-BROKEN_FLAG_ON = """
-import runpy, sys
-from megatron_overlap.megatron.moe_layer import GatherRSMoELayer
-
-original = GatherRSMoELayer.routed_experts_compute
-
-def halved(self, hidden_states, probs):
-    output, bias = original(self, hidden_states, probs)
-    return (output * 0.5 if self.gatherrs else output), bias
-
-GatherRSMoELayer.routed_experts_compute = halved
-sys.argv = [sys.argv[1]] + sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def _env() -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _launch(tmp_path: Path, nproc: int, *args: str, script: Path = LAUNCHER):
     """Run the launcher (world `nproc`); return (completed process, JSON rows written)."""
-    out = tmp_path / "prefill.jsonl"
-    if nproc == 1:
-        cmd = [sys.executable, str(script)]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(script),
-        ]
-    if script != LAUNCHER:
-        cmd.append(str(LAUNCHER))
-    cmd += [*COMMON, *args, "--out", str(out)]
-    proc = subprocess.run(
-        cmd,
-        check=False,
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    return proc, rows
+    return run_launcher(LAUNCHER, tmp_path, nproc, [*COMMON, *args], out_name="prefill.jsonl",
+                        timeout_s=TIMEOUT_S, wrapper=None if script == LAUNCHER else script)
 
 
-def _explain(proc: subprocess.CompletedProcess) -> str:
-    out, err = proc.stdout[-4000:], proc.stderr[-4000:]
-    return f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+_explain = explain
 
 
 def _check_row(row: dict, *, layout: str, dp: int, world_size: int) -> None:
@@ -255,7 +206,8 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
     out = tmp_path / "several.jsonl"
     cmd = [sys.executable, str(LAUNCHER), *args, "--model", "tiny", "tiny", "--num-moe-layers",
            "1", "--baselines", "off", "off-grouped", "--out", str(out)]
-    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True,
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=launcher_env(),
+                          capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, _explain(proc)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
