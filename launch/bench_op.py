@@ -276,6 +276,9 @@ def parse_tile(name: str):
 
 
 def git_sha() -> str:
+    """See megatron_overlap.bench.measure.git_sha ($MO_GIT_SHA first)."""
+    if os.environ.get("MO_GIT_SHA", "").strip():
+        return os.environ["MO_GIT_SHA"].strip()
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()

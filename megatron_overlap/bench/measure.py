@@ -242,7 +242,12 @@ def _version(module: str) -> str | None:
 
 
 def git_sha() -> str:
-    """`git rev-parse HEAD` of the checkout, "unknown" without git or a .git."""
+    """The commit the rows come from: $MO_GIT_SHA when set (the GPU machine's copy of the
+    working tree carries stale git metadata; `scripts/device_setup.sh` callers pass the dev
+    checkout's HEAD), else `git rev-parse HEAD` of the checkout, "unknown" without git."""
+    env = os.environ.get("MO_GIT_SHA", "").strip()
+    if env:
+        return env
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
