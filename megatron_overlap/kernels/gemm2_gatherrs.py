@@ -25,8 +25,8 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   reset), then sums each token's rows (its top-k experts' outputs, times TP partials) in a
   fixed order (expert ascending, then TP rank) into the output: deterministic. The rows of
   each token come from `_index_kernel` (row = base[tp, e] + rank of the token among expert
-  e's tokens, from the routing map and its prefix sum over tokens), which needs only the
-  routing map and so runs when the call is prepared (while FC1 runs).
+  e's tokens, from the routing map's per-block token counts (`_block_count_kernel`) and an
+  in-block prefix sum), which needs only the routing map and so runs when the call is prepared (while FC1 runs).
 
 No pre-reduction happens before the rows travel: every (token, expert) row is stored once,
 where it is summed (the design brief's gather-then-send needs y written, re-read and
@@ -198,22 +198,53 @@ def _gemm_scatter_kernel(
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_experts"])
-def _index_kernel(rmap_ptr, cum_ptr, base_ptr, index_ptr, num_tokens, num_experts,
-                  TP: tl.constexpr, K: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr):
-    """index[t, j * TP + tp] = base[tp, e_j] + cum[t, e_j] for token t's j-th expert e_j
-    (ascending), -1 past its last one.
+def _block_count_kernel(rmap_ptr, counts_ptr, num_tokens, num_experts, EP2: tl.constexpr,
+                        BT: tl.constexpr):
+    """counts[b, e] = tokens t in [b * BT, (b + 1) * BT) routed to expert e.
 
-    rmap: uint8 [T, E] routing map; cum: int32 [T, E] its inclusive prefix sum over tokens
-    (cum[t, e] - 1 is t's rank among expert e's tokens); base: int32 [TP, E]; index: int32
-    [T, K * TP]. Needs only the routing map: launched when the call is prepared.
+    rmap: uint8 [T, E] routing map; counts: int32 [ceil(T / BT), E]. The first half of the
+    routing map's prefix sum over tokens (`_index_kernel` adds the rest): a column scan as
+    one torch.cumsum over [T, E] runs one thread per expert down all T tokens (0.72 ms at
+    T = 4096, E = 128 on H200; docs/perf_notes.md).
     """
-    tokens = tl.program_id(0) * BT + tl.arange(0, BT)
+    b = tl.program_id(0)
+    tokens = b * BT + tl.arange(0, BT)
+    experts = tl.arange(0, EP2)
+    e_ok = experts < num_experts
+    m = (tokens < num_tokens)[:, None] & e_ok[None, :]
+    sel = tl.load(rmap_ptr + tokens.to(tl.int64)[:, None] * num_experts + experts[None, :],
+                  mask=m, other=0) != 0
+    tl.store(counts_ptr + b * num_experts + experts, tl.sum(sel.to(tl.int32), axis=0),
+             mask=e_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
+def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,
+                  TP: tl.constexpr, K: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr,
+                  CB: tl.constexpr):
+    """index[t, j * TP + tp] = base[tp, e_j] + cum[t, e_j] for token t's j-th expert e_j
+    (ascending), -1 past its last one; cum[t, e] = tokens <= t routed to e (cum - 1 is t's
+    rank among expert e's tokens).
+
+    rmap: uint8 [T, E] routing map; counts: int32 [ceil(T / BT), E] per token block
+    (`_block_count_kernel`, same BT); base: int32 [TP, E]; index: int32 [T, K * TP]. Block b
+    gets cum as the sum of the counts of blocks < b (CB blocks per load) plus an in-block
+    scan. Needs only the routing map: launched when the call is prepared.
+    """
+    b = tl.program_id(0)
+    tokens = b * BT + tl.arange(0, BT)
     experts = tl.arange(0, EP2)
     t_ok = tokens < num_tokens
+    e_ok = experts < num_experts
     at = tokens.to(tl.int64)[:, None] * num_experts + experts[None, :]
-    sel = tl.load(rmap_ptr + at, mask=t_ok[:, None] & (experts[None, :] < num_experts),
-                  other=0) != 0
-    cum = tl.load(cum_ptr + at, mask=sel, other=0)
+    sel = tl.load(rmap_ptr + at, mask=t_ok[:, None] & e_ok[None, :], other=0) != 0
+    prefix = tl.zeros((EP2,), tl.int32)
+    blocks = tl.arange(0, CB)
+    for c0 in range(0, b, CB):
+        rows = c0 + blocks
+        prefix += tl.sum(tl.load(counts_ptr + rows[:, None] * num_experts + experts[None, :],
+                                 mask=(rows < b)[:, None] & e_ok[None, :], other=0), axis=0)
+    cum = tl.cumsum(sel.to(tl.int32), axis=0) + prefix[None, :]
     prev = tl.full((BT,), -1, tl.int32)
     for j in tl.static_range(K):
         cand = sel & (experts[None, :] > prev[:, None])

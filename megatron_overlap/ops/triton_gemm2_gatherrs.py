@@ -14,10 +14,10 @@ Per call, on this rank (DESIGN.md §3):
   1. host: the tile list (`direct_layout`): remote-bound tiles (destinations round-robin
      after this rank) and local tiles, wave-ordered for the plan's k communication CTAs;
      the arrival targets; all in one pinned int32 buffer, one asynchronous H2D copy;
-  2. device, current stream: the finalize index (the routing map's prefix sum over tokens,
-     then `_index_kernel`), then, once h exists, `_gemm_scatter_kernel` (persistent,
-     `plan.num_ctas` CTAs) and `_finalize_kernel`. Step 1 and the prefix sum only need the
-     metadata: `_Call` does them at construction ("prepare"), which the Megatron layer does
+  2. device, current stream: the finalize index (`_block_count_kernel`, then
+     `_index_kernel`: the routing map's prefix sum over tokens, compacted per token), then,
+     once h exists, `_gemm_scatter_kernel` (persistent, `plan.num_ctas` CTAs) and
+     `_finalize_kernel`. Step 1 and the index only need the metadata: `_Call` does them at construction ("prepare"), which the Megatron layer does
      while FC1 runs;
   3. the error record is copied to pinned memory asynchronously and checked at the start of
      the next call on the workspace (or now with `finish(sync_errors=True)`, or by
@@ -72,6 +72,8 @@ INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
 """Small tiles for the Triton interpreter (speed)."""
 FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
+INDEX_BLOCK_TOKENS = 64
+"""Tokens per CTA of `_block_count_kernel` / `_index_kernel` on the GPU."""
 
 
 def default_tile(device: torch.device) -> TileConfig:
@@ -309,16 +311,21 @@ class _Call:
         self.finalize_base = dev[r2: r2 + n_base]
         self.tiles = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
         rmap = meta.routing_map.view(torch.uint8)
-        cum = torch.cumsum(meta.routing_map, dim=0, dtype=torch.int32)
         kmax = max(1, min(int(meta.topk or rmap.shape[1]), rmap.shape[1]))
         self.index = torch.empty(meta.num_tokens, kmax * meta.tp_size, dtype=torch.int32,
                                  device=device)
         if meta.num_tokens:
-            bt = 16
-            k._index_kernel[(-(-meta.num_tokens // bt),)](
-                rmap, cum, self.finalize_base, self.index, meta.num_tokens, rmap.shape[1],
-                TP=meta.tp_size, K=kmax, EP2=max(16, triton.next_power_of_2(rmap.shape[1])),
-                BT=bt, num_warps=4)
+            ep2 = max(16, triton.next_power_of_2(rmap.shape[1]))
+            bt = INDEX_BLOCK_TOKENS if self.gpu else 16
+            nb = -(-meta.num_tokens // bt)
+            block_counts = torch.empty(nb, rmap.shape[1], dtype=torch.int32, device=device)
+            warps = 8 if ep2 >= 256 else 4
+            k._block_count_kernel[(nb,)](rmap, block_counts, meta.num_tokens, rmap.shape[1],
+                                         EP2=ep2, BT=bt, num_warps=warps)
+            k._index_kernel[(nb,)](
+                rmap, block_counts, self.finalize_base, self.index, meta.num_tokens,
+                rmap.shape[1], TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
+                num_warps=warps)
         self.counters = torch.zeros(2, dtype=torch.int32, device=device)
         self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
         self.h = self.w2 = None

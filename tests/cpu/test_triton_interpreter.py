@@ -45,6 +45,36 @@ def _cases():
     return cases
 
 
+def _index_mismatch():
+    """The finalize index of a prepared call (`_block_count_kernel` + `_index_kernel`, 16
+    tokens a block: 75 blocks, so the cross-block prefix takes three CB = 32 loads) against
+    its torch twin `contribution_rows`, compacted per token; None when they agree."""
+    import torch
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import (
+        INTERPRETER_TILE, _Call, contribution_rows)
+    from megatron_overlap.resource import Plan
+    from megatron_overlap.symm import local_workspaces
+    from tests.support.op_problem import OpCase, rank_operands
+
+    case = OpCase(2, 1, num_experts=24, topk=3, tokens_per_rank=[1200, 1100],
+                  routing="skewed", hidden=16, ffn=16, seed=5, dtype=torch.float32)
+    ws = local_workspaces(2, hidden=16, dtype=case.dtype, device="cpu", capacity_rows=8192)
+    h, w2, meta = rank_operands(case, 1)
+    call = _Call(meta, ws[1], Plan(num_comm_ctas=1, num_ctas=1, source="test"), hidden=16,
+                 dtype=h.dtype, device=h.device, timeout_s=1.0, tile=INTERPRETER_TILE)
+    rows = contribution_rows(meta, call.layout)  # [T, E, TP], -1: not routed
+    want = torch.full_like(call.index, -1)
+    for t in range(rows.shape[0]):
+        found = rows[t][(rows[t] >= 0).all(dim=1)].reshape(-1)
+        want[t, : found.numel()] = found.to(want.dtype)
+    if torch.equal(call.index, want):
+        return None
+    bad = (call.index != want).any(dim=1).nonzero().reshape(-1)
+    return (f"{bad.numel()} tokens differ, first {int(bad[0])}: "
+            f"{call.index[bad[0]].tolist()} vs {want[bad[0]].tolist()}")
+
+
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
 
@@ -79,6 +109,7 @@ def _simulate() -> dict:
         for g, out in enumerate(outs):
             key = f"{case} rank {g}"
             report[key] = describe_mismatch(out, dense_output(case, g), rel_tol=1e-5)
+    report["index"] = _index_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
     case = _cases()[3]  # a 2-rank layout
     ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
