@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after timing each workload, profile one forward of 'on' and "
                              "'off-grouped' (torch.profiler, CPU + CUDA) and print rank 0's "
                              "top operators and kernels: where the layer's time goes")
+    parser.add_argument("--trace-dir", default="",
+                        help="with --profile: rank 0 also writes each profiled forward as a "
+                             "chrome trace <model>_<layout>_<seq>_<variant>.json here (host "
+                             "ranges 'mo.*' mark the flag-on stages)")
     return parser
 
 
@@ -206,6 +210,7 @@ class RunConfig:
     seed: int
     world_size: int
     profile: bool = False
+    trace_dir: str = ""
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -243,6 +248,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         seed=args.seed,
         world_size=world_size,
         profile=args.profile,
+        trace_dir=args.trace_dir,
     )
 
 
@@ -487,10 +493,11 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
 
 
 def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title: str,
-                     row_limit: int = 25) -> str:
+                     row_limit: int = 25, trace_prefix: str = "") -> str:
     """One profiled forward of the "on" and "off-grouped" variants (those present), after
     the timing: rank 0's operator / kernel table per variant, sorted by device time on CUDA
-    (CPU time otherwise). Every rank runs the forwards (they hold collectives)."""
+    (CPU time otherwise). Every rank runs the forwards (they hold collectives). With
+    `trace_prefix`, rank 0 also writes `<trace_prefix>_<variant>.json` (chrome trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -508,6 +515,8 @@ def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title:
                 layers[name](x)
                 if cuda:
                     torch.cuda.synchronize(device)
+            if trace_prefix and dist.get_rank() == 0:
+                prof.export_chrome_trace(f"{trace_prefix}_{name}.json")
             texts.append(f"== profile {title} {name}\n"
                          + prof.key_averages().table(sort_by=sort_by, row_limit=row_limit))
     return "\n".join(texts)
@@ -685,8 +694,15 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 x = make_input(shape, run, tp, ranks, seq, device)
                 result = time_workload(layers, x, run, device)
                 if run.profile:
+                    prefix = ""
+                    if run.trace_dir:
+                        os.makedirs(run.trace_dir, exist_ok=True)
+                        prefix = os.path.join(run.trace_dir,
+                                              f"{shape.name}_"
+                                              f"{info['layout'].replace('/', '-')}_{seq}")
                     text = profile_workload(layers, x, device,
-                                            f"{shape.name} {info['layout']} seq {seq}")
+                                            f"{shape.name} {info['layout']} seq {seq}",
+                                            trace_prefix=prefix)
                     if rank0:
                         print(text, flush=True)
                 details = describe(layers, backend, te_version)

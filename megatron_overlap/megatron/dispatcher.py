@@ -27,6 +27,7 @@ from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_s
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 from megatron_overlap.ops.gemm2_gatherrs import triton_unavailable_reason
+from megatron_overlap.profiling import span
 from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
 
 
@@ -102,11 +103,12 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
                 self.routing_map, self.ep_size
             )
-        counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
-        if self.tp_size * self.ep_size > 1:
-            gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
-            _all_gather_flat(gathered, counts, group=self.tp_ep_group)
-            counts = gathered
+        with span("mo.counts_all_gather"):
+            counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
+            if self.tp_size * self.ep_size > 1:
+                gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
+                _all_gather_flat(gathered, counts, group=self.tp_ep_group)
+                counts = gathered
         # Copied to the host in dispatch_postprocess, not here: by then the token all-to-all
         # and Megatron's postprocess are enqueued, so the GPU has work while the host waits.
         self._counts_dev = counts.view(self.tp_size * self.ep_size, -1)
@@ -129,12 +131,19 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         tokens, tokens_per_expert, probs = super().dispatch_postprocess(
             global_input_tokens, global_probs
         )
-        self._counts = self._counts_dev.cpu().numpy()
+        with span("mo.counts_to_host"):
+            self._counts = self._counts_dev.cpu().numpy()
         self._counts_dev = None
         row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
         if row_slot is not None:
             row_slot = self._gather_and_sort_slots(row_slot)
-        self.metadata = build_metadata(
+        with span("mo.build_metadata"):
+            self.metadata = self._build_metadata(row_slot)
+        self._row_slot = None
+        return tokens, tokens_per_expert, probs
+
+    def _build_metadata(self, row_slot):
+        return build_metadata(
             counts=self._counts,
             row_slot=row_slot,
             dest_token_mask=self._dest_token_mask,
@@ -146,8 +155,6 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             routing_map=self.routing_map,
             validate=False,  # counts come from this very routing map
         )
-        self._row_slot = None
-        return tokens, tokens_per_expert, probs
 
     def _gather_and_sort_slots(self, row_slot: torch.Tensor) -> torch.Tensor:
         """The received rows' slots in `h` order: Megatron's TP all-gather and sort by local
@@ -191,15 +198,17 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         recv_rows = int(self._counts[me, : self._counts.shape[1] - self.ep_size].sum())
         from megatron_overlap.ops.triton_gemm2_gatherrs import compiled_resources
 
-        self.plan = plan_gemm2_gatherrs(
-            self.metadata, self.options, num_sms=self._num_sms, hidden=w2.shape[1],
-            ffn=w2.shape[2], elem_bytes=h_like.element_size(),
-            recv_rows=recv_rows * self.tp_size,
-            kernel=compiled_resources(h_like.dtype, w2.shape[2], w2.shape[1]))
+        with span("mo.plan"):
+            self.plan = plan_gemm2_gatherrs(
+                self.metadata, self.options, num_sms=self._num_sms, hidden=w2.shape[1],
+                ffn=w2.shape[2], elem_bytes=h_like.element_size(),
+                recv_rows=recv_rows * self.tp_size,
+                kernel=compiled_resources(h_like.dtype, w2.shape[2], w2.shape[1]))
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
-        self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,
-                                                options=self.options, plan=self.plan)
+        with span("mo.prepare"):
+            self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,
+                                                    options=self.options, plan=self.plan)
         self._was_prepared = True
 
     def gemm2_gatherrs_combine(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -219,8 +228,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self.prepare_combine(h, w2)
         prepared, self._prepared, self._was_prepared = self._prepared, None, False
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
-        out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,
-                             plan=self.plan, prepared=prepared)
+        with span("mo.gemm2_gatherrs"):
+            out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,
+                                 plan=self.plan, prepared=prepared)
         self.metadata = None
         return out.view(self.hidden_shape)
 

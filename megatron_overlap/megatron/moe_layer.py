@@ -8,6 +8,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_overlap.megatron.config import gatherrs_enabled, validate_gatherrs_config
 from megatron_overlap.megatron.dispatcher import GatherRSAlltoAllTokenDispatcher
 from megatron_overlap.megatron.experts import GatherRSSequentialMLP
+from megatron_overlap.profiling import span
 
 
 class GatherRSMoELayer(MoELayer):
@@ -50,10 +51,12 @@ class GatherRSMoELayer(MoELayer):
         """Flag on: dispatch postprocess, FC1 + activation, then the fused return path."""
         if not self.gatherrs:
             return super().routed_experts_compute(hidden_states, probs)
-        dispatched_input, tokens_per_expert, permuted_probs = (
-            self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
-        )
-        h = self.experts.forward_fc1(dispatched_input, tokens_per_expert, permuted_probs)
+        with span("mo.dispatch_postprocess"):
+            dispatched_input, tokens_per_expert, permuted_probs = (
+                self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
+            )
+        with span("mo.fc1"):
+            h = self.experts.forward_fc1(dispatched_input, tokens_per_expert, permuted_probs)
         w2 = self.experts.fc2_weight()
         # Plan + host work of the fused op after FC1 is enqueued: the host prepares while the
         # GPU runs FC1 (before FC1, the GPU would idle: the dispatch ends with a host sync).

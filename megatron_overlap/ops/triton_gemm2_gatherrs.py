@@ -40,6 +40,7 @@ import triton
 
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
+from megatron_overlap.profiling import span
 from megatron_overlap.resource import KernelResources, Plan, kernel_resources_from_compiled
 from megatron_overlap.symm import GatherRSWorkspace
 
@@ -289,43 +290,47 @@ class _Call:
         if meta.routing_map is None:
             raise ValueError("the Triton backend needs meta.routing_map "
                              "(build_metadata(..., routing_map=...))")
-        lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
-        self.num_remote, self.num_local = len(lay.tiles_remote), len(lay.tiles_local)
-        tiles = np.concatenate([lay.tiles_remote, lay.tiles_local]).reshape(-1, k.TILE_FIELDS)
-        if self.tile.static:
-            tiles = tiles[wave_order(self.num_remote, self.num_local, self.grid,
-                                     self.num_comm)]
+        with span("mo.direct_layout"):
+            lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
+            self.num_remote, self.num_local = len(lay.tiles_remote), len(lay.tiles_local)
+            tiles = np.concatenate([lay.tiles_remote, lay.tiles_local]).reshape(
+                -1, k.TILE_FIELDS)
+            if self.tile.static:
+                tiles = tiles[wave_order(self.num_remote, self.num_local, self.grid,
+                                         self.num_comm)]
         ws.ensure_capacity(int(lay.recv_rows.max(initial=0)))
         self.epoch = ws.next_epoch()
         self.row_base = (self.epoch % 2) * ws.capacity_rows
         targets = ws.add_expected_arrivals(lay.arrivals)
-        # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, tiles.
-        r2, n_base = 2 * meta.group_size, lay.finalize_base.size
-        host = torch.empty(r2 + n_base + tiles.size, dtype=torch.int32, pin_memory=self.gpu)
-        buf = host.numpy()
-        buf[:r2] = targets.astype(np.int64).view(np.int32)
-        buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
-        buf[r2 + n_base:] = tiles.reshape(-1)
-        dev = host.to(device, non_blocking=True)
-        self.targets = dev[:r2].view(torch.int64)
-        self.finalize_base = dev[r2: r2 + n_base]
-        self.tiles = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
-        rmap = meta.routing_map.view(torch.uint8)
-        kmax = max(1, min(int(meta.topk or rmap.shape[1]), rmap.shape[1]))
-        self.index = torch.empty(meta.num_tokens, kmax * meta.tp_size, dtype=torch.int32,
-                                 device=device)
-        if meta.num_tokens:
-            ep2 = max(16, triton.next_power_of_2(rmap.shape[1]))
-            bt = INDEX_BLOCK_TOKENS if self.gpu else 16
-            nb = -(-meta.num_tokens // bt)
-            block_counts = torch.empty(nb, rmap.shape[1], dtype=torch.int32, device=device)
-            warps = 8 if ep2 >= 256 else 4
-            k._block_count_kernel[(nb,)](rmap, block_counts, meta.num_tokens, rmap.shape[1],
-                                         EP2=ep2, BT=bt, num_warps=warps)
-            k._index_kernel[(nb,)](
-                rmap, block_counts, self.finalize_base, self.index, meta.num_tokens,
-                rmap.shape[1], TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
-                num_warps=warps)
+        with span("mo.h2d"):
+            # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, tiles.
+            r2, n_base = 2 * meta.group_size, lay.finalize_base.size
+            host = torch.empty(r2 + n_base + tiles.size, dtype=torch.int32, pin_memory=self.gpu)
+            buf = host.numpy()
+            buf[:r2] = targets.astype(np.int64).view(np.int32)
+            buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
+            buf[r2 + n_base:] = tiles.reshape(-1)
+            dev = host.to(device, non_blocking=True)
+            self.targets = dev[:r2].view(torch.int64)
+            self.finalize_base = dev[r2: r2 + n_base]
+            self.tiles = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
+        with span("mo.index"):
+            rmap = meta.routing_map.view(torch.uint8)
+            kmax = max(1, min(int(meta.topk or rmap.shape[1]), rmap.shape[1]))
+            self.index = torch.empty(meta.num_tokens, kmax * meta.tp_size, dtype=torch.int32,
+                                     device=device)
+            if meta.num_tokens:
+                ep2 = max(16, triton.next_power_of_2(rmap.shape[1]))
+                bt = INDEX_BLOCK_TOKENS if self.gpu else 16
+                nb = -(-meta.num_tokens // bt)
+                block_counts = torch.empty(nb, rmap.shape[1], dtype=torch.int32, device=device)
+                warps = 8 if ep2 >= 256 else 4
+                k._block_count_kernel[(nb,)](rmap, block_counts, meta.num_tokens, rmap.shape[1],
+                                             EP2=ep2, BT=bt, num_warps=warps)
+                k._index_kernel[(nb,)](
+                    rmap, block_counts, self.finalize_base, self.index, meta.num_tokens,
+                    rmap.shape[1], TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
+                    num_warps=warps)
         self.counters = torch.zeros(2, dtype=torch.int32, device=device)
         self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
         self.h = self.w2 = None
@@ -353,7 +358,8 @@ class _Call:
         row_bytes = self.h.shape[1] * self.h.element_size()
         self.use_tma = self.gpu and row_bytes % 16 == 0 and all(
             t.data_ptr() % 16 == 0 for t in (self.h, self.w2))
-        self._launch(self.tiles, self.grid, self.num_remote, self.num_local)
+        with span("mo.send"):
+            self._launch(self.tiles, self.grid, self.num_remote, self.num_local)
         self.sent = True
         ws = self.ws
         key = ("v4", self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile)
@@ -408,8 +414,9 @@ class _Call:
         always off the GPU) or at the next call on the workspace."""
         if not self.sent:
             raise RuntimeError("_Call.finish before send")
-        self.finalize()
-        self.ws.record_error_check()
+        with span("mo.finalize"):
+            self.finalize()
+            self.ws.record_error_check()
         if sync_errors or not self.gpu:
             self.ws.check_errors(block=True)
         return self.out

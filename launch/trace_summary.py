@@ -1,0 +1,100 @@
+"""Where a profiled forward's time goes, from its chrome trace (torch.profiler).
+
+    python launch/trace_summary.py results/traces/qwen3-30b-a3b_tp1-ep2-dp2-sp0_4096_on.json
+
+Traces come from `launch/bench_layer.py --profile --trace-dir DIR`. For each trace it prints
+  * the span from the first to the last event (host and device), the device's busy time
+    (union of kernels and copies) and its idle time inside the span;
+  * the host ranges (`user_annotation`: the 'mo.*' stages of the flag-on layer and
+    Megatron's own ranges) with start offset and duration;
+  * the device's idle gaps longer than --gap-us, each with the host operations that were
+    running when it began (what the device waited for: a host sync, a slow enqueue);
+  * the kernels by total time.
+All times in microseconds; offsets from the trace's first event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+
+
+def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
+    """Union of the device events' [start, end) intervals, sorted."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
+    events = load(path)
+    if not events:
+        return f"{path}: no complete events"
+    t0 = min(float(e["ts"]) for e in events)
+    t1 = max(float(e["ts"]) + float(e["dur"]) for e in events)
+    device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    host_ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation",
+                                                       "cuda_runtime", "python_function")]
+    busy = busy_intervals(device)
+    busy_us = sum(b - a for a, b in busy)
+    lines = [f"== {path}",
+             f"span {t1 - t0:.0f} us; device busy {busy_us:.0f} us, idle "
+             f"{(t1 - t0) - busy_us:.0f} us inside the span"]
+    if busy:
+        lines.append(f"device first start +{busy[0][0] - t0:.0f}, last end +{busy[-1][1] - t0:.0f}")
+
+    lines.append("-- host ranges (user_annotation): +start dur name")
+    for e in sorted((e for e in events if e.get("cat") == "user_annotation"),
+                    key=lambda e: float(e["ts"])):
+        lines.append(f"  +{float(e['ts']) - t0:8.0f} {float(e['dur']):8.0f}  {e['name']}")
+
+    lines.append(f"-- device idle gaps > {gap_us:.0f} us: +start dur | host ops running then")
+    prev_end = busy[0][1] if busy else t0
+    for a, b in busy[1:]:
+        if a - prev_end > gap_us:
+            running = [e for e in host_ops if float(e["ts"]) <= prev_end
+                       < float(e["ts"]) + float(e["dur"]) and e.get("cat") != "user_annotation"]
+            running.sort(key=lambda e: float(e["dur"]))
+            names = ", ".join(f"{e['name'][:40]} ({float(e['dur']):.0f})" for e in running[:4])
+            lines.append(f"  +{prev_end - t0:8.0f} {a - prev_end:8.0f} | {names}")
+        prev_end = max(prev_end, b)
+
+    lines.append("-- kernels by total time: total count name")
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in device:
+        totals[e["name"]][0] += float(e["dur"])
+        totals[e["name"]][1] += 1
+    for name, (tot, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {tot:8.0f} {n:4d}  {name[:90]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("traces", nargs="+", help="chrome trace JSON files")
+    parser.add_argument("--gap-us", type=float, default=30.0,
+                        help="report device idle gaps longer than this (default 30 us)")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed (default 12)")
+    args = parser.parse_args(argv)
+    for path in args.traces:
+        print(summarize(path, args.gap_us, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
