@@ -109,9 +109,19 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
                 _all_gather_flat(gathered, counts, group=self.tp_ep_group)
                 counts = gathered
-        # Copied to the host in dispatch_postprocess, not here: by then the token all-to-all
-        # and Megatron's postprocess are enqueued, so the GPU has work while the host waits.
-        self._counts_dev = counts.view(self.tp_size * self.ep_size, -1)
+        counts = counts.view(self.tp_size * self.ep_size, -1)
+        if counts.is_cuda:
+            # Into pinned memory asynchronously, with an event: dispatch_postprocess waits for
+            # this copy only. A blocking .cpu() there would wait for everything queued by then
+            # (the token all-to-all, Megatron's sort), and the GPU would idle while the host
+            # builds the metadata and enqueues FC1 (measured: ~1.2 ms at 4096 tokens, Qwen3).
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
+            self._counts_ready = torch.cuda.Event()
+            self._counts_ready.record()
+            self._counts_host = host
+        else:
+            self._counts_ready, self._counts_host = None, counts
         return out
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
@@ -132,8 +142,10 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             global_input_tokens, global_probs
         )
         with span("mo.counts_to_host"):
-            self._counts = self._counts_dev.cpu().numpy()
-        self._counts_dev = None
+            if self._counts_ready is not None:
+                self._counts_ready.synchronize()
+            self._counts = self._counts_host.numpy()
+        self._counts_ready = self._counts_host = None
         row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
         if row_slot is not None:
             row_slot = self._gather_and_sort_slots(row_slot)

@@ -29,11 +29,12 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_overlap.megatron.config import gatherrs_enabled
 from megatron_overlap.megatron.grouped_experts import (
+    StackedViewCache,
+    autograd_reason,
     grouped_fc1_activation,
     grouped_fc1_unsupported_reason,
     mlp_parts_replaced,
     stack_parameters_,
-    stacked_weights,
 )
 
 FC1_IMPLS = ("auto", "grouped", "loop")
@@ -59,6 +60,11 @@ class GatherRSSequentialMLP(SequentialMLP):
         self.last_fc1: str | None = None
         self.last_fc2_weight: str | None = None
         self.stacks_weights = gatherrs_enabled(config)
+        # Per-forward host work kept off the critical path (the layer is host-bound at a few
+        # thousand tokens): the stacked views, and the structural part of the FC1 check.
+        self.fc1_stack_cache = StackedViewCache()
+        self.fc2_stack_cache = StackedViewCache()
+        self._fc1_check = (None, None)  # (ids of the linear_fc1 modules + fc1_impl, reason)
         if self.stacks_weights:
             self.stack_weights_()
 
@@ -69,6 +75,10 @@ class GatherRSSequentialMLP(SequentialMLP):
         (`grouped_experts.stack_parameters_`; no copy when they are stacked already). Call it
         again after anything that re-points them, e.g. `load_state_dict(assign=True)`.
         Experts without weight parameters (`skip_weight_param_allocation`) are left alone."""
+        for cache in (getattr(self, "fc1_stack_cache", None),
+                      getattr(self, "fc2_stack_cache", None)):
+            if cache is not None:
+                cache.clear()  # re-homed parameters: drop views of the old storage
         for name in ("linear_fc1", "linear_fc2"):
             params = [getattr(e, name).weight for e in self.local_experts]
             if all(isinstance(p, torch.nn.Parameter) for p in params):
@@ -92,7 +102,11 @@ class GatherRSSequentialMLP(SequentialMLP):
             return "fc1_impl='loop'"
         if self.fc1_impl == "auto" and not x.is_cuda:
             return f"fc1_impl='auto' takes the grouped GEMM on CUDA only (rows on {x.device})"
-        return grouped_fc1_unsupported_reason(self, x)
+        # The structural checks loop over every expert's modules: cached per module set.
+        key = tuple(id(e.linear_fc1) for e in self.local_experts)
+        if self._fc1_check[0] != key:
+            self._fc1_check = (key, grouped_fc1_unsupported_reason(self, None))
+        return self._fc1_check[1] or autograd_reason(self, x)
 
     def forward_fc1(
         self,
@@ -137,7 +151,7 @@ class GatherRSSequentialMLP(SequentialMLP):
         they are still stacked and autograd is not recording, else a `torch.stack` copy
         (`last_fc2_weight` says which).
         """
-        w2, self.last_fc2_weight = stacked_weights(
+        w2, self.last_fc2_weight = self.fc2_stack_cache.get(
             [e.linear_fc2.weight for e in self.local_experts]
         )
         return w2

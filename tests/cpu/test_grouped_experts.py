@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_overlap.megatron.grouped_experts import (
+    StackedViewCache,
     expert_matmul,
     grouped_mm_name,
     stack_parameters_,
@@ -97,6 +98,29 @@ def test_stacked_weights_view_stack_and_autograd():
     with torch.no_grad():
         w, how = stacked_weights(params)
     assert how == "stack" and torch.equal(w, torch.stack([p.detach() for p in params]))
+
+
+def test_stacked_view_cache_hits_and_follows_moves():
+    params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(3)]
+    stack_parameters_(params)
+    cache = StackedViewCache()
+    with torch.no_grad():
+        w1, how1 = cache.get(params)
+        w2, how2 = cache.get(params)
+        assert how1 == how2 == "view" and w2 is w1  # hit: the same view object
+        params[2].data.fill_(7.0)  # in-place updates show through the view
+        assert torch.equal(w2[2], torch.full((3, 5), 7.0))
+        params[1].data = params[1].data.clone()  # re-pointed: miss, then a copy
+        w3, how3 = cache.get(params)
+        assert how3 == "stack" and w3 is not w1
+        assert torch.equal(w3, torch.stack([p.detach() for p in params]))
+        stack_parameters_(params)  # re-homed into a new storage: a new view
+        w4, how4 = cache.get(params)
+        assert how4 == "view" and w4.data_ptr() == params[0].data_ptr()
+        assert torch.equal(w4, torch.stack([p.detach() for p in params]))
+    w5, how5 = cache.get(params)  # autograd recording: a differentiable copy, never cached
+    assert how5 == "stack" and w5.requires_grad
+    cache.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -312,6 +336,16 @@ def _layout_case(case: Case, rank: int) -> dict:
     x.requires_grad_(True)
     experts.forward_fc1(x, counts, probs)
     res["fc1_how_grad"] = experts.last_fc1
+    # The cached structural check follows a swapped module.
+    with torch.no_grad():
+        experts.forward_fc1(x, counts, probs)
+        res["fc1_how_before_swap"] = experts.last_fc1
+        saved = experts.local_experts[1].linear_fc1
+        experts.local_experts[1].linear_fc1 = torch.nn.Linear(H, saved.weight.shape[0],
+                                                              bias=False)
+        res["fc1_reason_after_swap"] = experts._fc1_loop_reason(x)
+        experts.local_experts[1].linear_fc1 = saved
+        res["fc1_reason_restored"] = experts._fc1_loop_reason(x)
     experts.fc1_impl = "bogus"
     try:
         with torch.no_grad():
@@ -390,6 +424,9 @@ def _check_layout(res: dict) -> None:
     assert grouped == f"grouped FC1: {grouped_mm_name()}, weights view", res
     assert auto.startswith("loop: fc1_impl='auto' takes the grouped GEMM on CUDA only"), res
     assert res["fc1_how_grad"].startswith("loop: autograd is recording"), res
+    assert res["fc1_how_before_swap"].startswith("grouped FC1"), res
+    assert "local expert 1's linear_fc1 is Linear" in res["fc1_reason_after_swap"], res
+    assert res["fc1_reason_restored"] is None, res
     assert res["bad_impl"] is not None and "fc1_impl='bogus'" in res["bad_impl"], res
 
 
