@@ -52,6 +52,11 @@ TILE_FIELDS = 6
 """int32 fields of one tile entry: local expert, first row, end row (in h), first column,
 destination group rank, first row in the destination's receive half."""
 
+SEGMENT_FIELDS = 6
+"""int32 fields of one segment (the rows of one local expert for one destination): local
+expert, first row in h, rows, destination group rank, first row in the destination's
+receive half, first tile (exclusive prefix of the segments' tiles in list order)."""
+
 
 @triton.jit
 def _now_ns(USE_TIMER: tl.constexpr):
@@ -195,6 +200,57 @@ def _gemm_scatter_kernel(
                 t = t_next
     if pend > 0:
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
+
+
+@triton.jit(do_not_specialize=["num_segments", "num_remote", "num_local", "grid",
+                               "num_comm", "col_blocks", "search_steps"])
+def _tile_list_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, grid,
+                      num_comm, col_blocks, search_steps, BM: tl.constexpr, BN: tl.constexpr,
+                      WAVES: tl.constexpr, BLOCK: tl.constexpr):
+    """Expand segments into the tile list `_gemm_scatter_kernel` reads.
+
+    seg: int32 [S, SEGMENT_FIELDS], remote segments first (their tiles are the first
+    num_remote); tiles: int32 [num_remote + num_local, TILE_FIELDS]. Tile i belongs to the
+    last segment whose first tile is <= i (binary search, `search_steps` >= log2(S) + 1
+    steps); within it, row block q // col_blocks and column block q % col_blocks. With WAVES
+    the entries are stored in the wave order of `wave_order` (each wave of `grid` entries
+    holds num_comm remote and grid - num_comm local tiles while both last; closed form of
+    the merged positions, 0 < num_comm < grid), else in list order.
+    """
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < num_remote + num_local
+    lo = tl.zeros((BLOCK,), tl.int32)
+    hi = tl.zeros((BLOCK,), tl.int32) + num_segments
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        live = (hi - lo) > 1
+        first = tl.load(seg_ptr + mid * 6 + 5, mask=ok & live, other=0)
+        lo = tl.where(live & (first <= i), mid, lo)
+        hi = tl.where(live & (first > i), mid, hi)
+    seg = seg_ptr + lo * 6
+    expert = tl.load(seg + 0, mask=ok, other=0)
+    row0 = tl.load(seg + 1, mask=ok, other=0)
+    rows = tl.load(seg + 2, mask=ok, other=0)
+    dest = tl.load(seg + 3, mask=ok, other=0)
+    dest_row0 = tl.load(seg + 4, mask=ok, other=0)
+    q = i - tl.load(seg + 5, mask=ok, other=0)
+    blk = q // col_blocks
+    r0 = row0 + blk * BM
+    if WAVES:
+        j = i - num_remote
+        local = i >= num_remote
+        pos_remote = i + tl.minimum(num_local, (i // num_comm) * (grid - num_comm))
+        pos_local = j + tl.minimum(num_remote, (j // (grid - num_comm) + 1) * num_comm)
+        pos = tl.where(local, pos_local, pos_remote)
+    else:
+        pos = i
+    out = tiles_ptr + pos.to(tl.int64) * 6
+    tl.store(out + 0, expert, mask=ok)
+    tl.store(out + 1, r0, mask=ok)
+    tl.store(out + 2, tl.minimum(r0 + BM, row0 + rows), mask=ok)
+    tl.store(out + 3, (q - blk * col_blocks) * BN, mask=ok)
+    tl.store(out + 4, dest, mask=ok)
+    tl.store(out + 5, dest_row0 + blk * BM, mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_experts"])

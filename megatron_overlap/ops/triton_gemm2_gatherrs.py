@@ -11,14 +11,17 @@ source chunk g already are. So sender s stores rows [r0, r1) of (expert l, chunk
 known on every rank from the exchanged tokens-per-expert counts (`meta.routed_counts`).
 
 Per call, on this rank (DESIGN.md §3):
-  1. host: the tile list (`direct_layout`): remote-bound tiles (destinations round-robin
-     after this rank) and local tiles, wave-ordered for the plan's k communication CTAs;
-     the arrival targets; all in one pinned int32 buffer, one asynchronous H2D copy;
-  2. device, current stream: the finalize index (`_block_count_kernel`, then
-     `_index_kernel`: the routing map's prefix sum over tokens, compacted per token), then,
-     once h exists, `_gemm_scatter_kernel` (persistent, `plan.num_ctas` CTAs) and
-     `_finalize_kernel`. Step 1 and the index only need the metadata: `_Call` does them at construction ("prepare"), which the Megatron layer does
-     while FC1 runs;
+  1. host: the segments (`direct_layout`: one per destination and local expert, remote
+     destinations round-robin after this rank, this rank last), the arrival targets and the
+     finalize index bases, in one pinned int32 buffer, one asynchronous H2D copy; O(L x R +
+     E) host work, whatever the token count;
+  2. device, current stream: the tile list (`_tile_list_kernel`: the segments' tiles,
+     wave-ordered for the plan's k communication CTAs), the finalize index
+     (`_block_count_kernel`, then `_index_kernel`: the routing map's prefix sum over tokens,
+     compacted per token), then, once h exists, `_gemm_scatter_kernel` (persistent,
+     `plan.num_ctas` CTAs) and `_finalize_kernel`. Everything up to the index needs only
+     the metadata: `_Call` does it at construction ("prepare"), which the Megatron layer
+     does while FC1 runs;
   3. the error record is copied to pinned memory asynchronously and checked at the start of
      the next call on the workspace (or now with `finish(sync_errors=True)`, or by
      `GatherRSWorkspace.check_errors()`): a finalize that timed out raises RuntimeError
@@ -30,6 +33,7 @@ compiling, so no rank's finalize waits out a peer's JIT compilation.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,6 +79,24 @@ FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
 INDEX_BLOCK_TOKENS = 64
 """Tokens per CTA of `_block_count_kernel` / `_index_kernel` on the GPU."""
+TILE_LIST_BLOCK = 256
+"""Tile entries per CTA of `_tile_list_kernel`."""
+TILE_LIST_ENV = "MEGATRON_OVERLAP_TILE_LIST"
+"""Where the tile list is built: "device" (default: the host sends the L x R segments and
+`_tile_list_kernel` expands them) or "host" (numpy `expand_tiles` + `wave_order`, the whole
+list copied; the twin, for comparison and debugging)."""
+
+
+def tile_list_source() -> str:
+    """$MEGATRON_OVERLAP_TILE_LIST, "device" when unset.
+
+    Raises:
+        ValueError: any other value than "device" or "host".
+    """
+    value = os.environ.get(TILE_LIST_ENV, "device") or "device"
+    if value not in ("device", "host"):
+        raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'device' or 'host'")
+    return value
 
 
 def default_tile(device: torch.device) -> TileConfig:
@@ -91,10 +113,13 @@ def destination_order(rank: int, num_ranks: int):
 class DirectLayout:
     """Host-side tables of one call (see the module docstring).
 
-    tiles_remote, tiles_local: int32 [n, 6] tile entries (local expert, first row, end row,
-        first column, destination group rank, first row in the destination's half); remote
-        ones grouped by destination in `destination_order`, each destination's row blocks
-        in h order, column blocks innermost.
+    segments: int32 [S, k.SEGMENT_FIELDS]: one per (destination, local expert) in list
+        order: destinations in `destination_order` (remote ones first, this rank last),
+        local experts ascending; fields: local expert, first row in h, rows, destination
+        group rank, first row in the destination's half, first tile (exclusive prefix of
+        ceil(rows / bm) * col_blocks over the list).
+    num_remote, num_local: tiles bound for other ranks / for this rank.
+    col_blocks: ceil(hidden / bn); bm, bn: the tile shape.
     arrivals: int64 [R]: tiles each rank stores into this rank's buffer this call (0 for
         this rank itself: its own tiles are ordered by the stream).
     recv_rows: int64 [R]: rows each rank receives this call (TP x its routed pairs).
@@ -102,25 +127,65 @@ class DirectLayout:
         rank tp of EP rank e // L is finalize_base[tp, e] + cum[t, e], cum the inclusive
         prefix sum of the routing map over tokens (`contribution_rows`).
     num_pairs: this rank's routed (token, expert) pairs.
+
+    `tiles_remote` / `tiles_local` expand the segments on the host (`expand_tiles`; the
+    GPU path expands them on the device with `_tile_list_kernel`).
     """
 
-    tiles_remote: np.ndarray
-    tiles_local: np.ndarray
+    segments: np.ndarray
+    num_remote: int
+    num_local: int
+    col_blocks: int
+    bm: int
+    bn: int
     arrivals: np.ndarray
     recv_rows: np.ndarray
     finalize_base: np.ndarray
     num_pairs: int
+
+    @property
+    def tiles_remote(self) -> np.ndarray:
+        """int32 [num_remote, 6] tile entries (`k.TILE_FIELDS`), grouped by destination in
+        `destination_order`, each destination's row blocks in h order, column blocks
+        innermost."""
+        return expand_tiles(self)[: self.num_remote]
+
+    @property
+    def tiles_local(self) -> np.ndarray:
+        """int32 [num_local, 6] tile entries of this rank's own rows."""
+        return expand_tiles(self)[self.num_remote:]
 
 
 def _ceil_div(a, b):
     return -(-a // b)
 
 
+def expand_tiles(layout: DirectLayout) -> np.ndarray:
+    """int32 [num_remote + num_local, 6]: every segment's tiles in list order (the host
+    twin of `_tile_list_kernel` without the wave order)."""
+    seg = layout.segments.astype(np.int64)
+    nb = _ceil_div(seg[:, 2], layout.bm)
+    run = np.repeat(np.arange(len(seg)), nb)
+    blk = np.arange(int(nb.sum())) - np.repeat(np.cumsum(nb) - nb, nb)
+    r0 = seg[run, 1] + blk * layout.bm
+    ncb = layout.col_blocks
+    tiles = np.empty((len(run) * ncb, k.TILE_FIELDS), dtype=np.int32)
+    tiles[:, 0] = np.repeat(seg[run, 0], ncb)
+    tiles[:, 1] = np.repeat(r0, ncb)
+    tiles[:, 2] = np.repeat(np.minimum(r0 + layout.bm, seg[run, 1] + seg[run, 2]), ncb)
+    tiles[:, 3] = np.tile(np.arange(ncb) * layout.bn, len(run))
+    tiles[:, 4] = np.repeat(seg[run, 3], ncb)
+    tiles[:, 5] = np.repeat(seg[run, 4] + blk * layout.bm, ncb)
+    return tiles
+
+
 def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> DirectLayout:
-    """Tiles, arrival counts and index bases of one call (host numpy, no device work).
+    """Segments, arrival counts and index bases of one call (host numpy, no device work;
+    O(L x R + E), independent of the token count).
 
     Raises:
-        ValueError: `meta` lacks `routed_counts` (built without the exchanged counts).
+        ValueError: `meta` lacks `routed_counts` (built without the exchanged counts), or a
+            row or tile coordinate does not fit in int32.
     """
     if meta.routed_counts is None:
         raise ValueError("metadata without routed_counts: build it with build_metadata(...)")
@@ -135,39 +200,31 @@ def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> Dire
     offsets = np.cumsum(block, axis=1) - block  # [R(g), R(s)]: s's block in g's half
     recv_rows = block.sum(axis=1)
 
-    # This rank's tiles: for chunk c (destination d) and local expert l, rows[l, c].
+    # This rank's segments: for chunk c (destination d) and local expert l, rows[l, c].
     counts = meta.rows_per_expert_per_chunk  # [L, R] chunk order
     row_start = (np.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(counts.shape)
     dests = np.array([chunk_to_group_rank(c, tp, ep) for c in range(group_size)])
     within = np.cumsum(counts, axis=0) - counts  # rows of experts < l in chunk c
     dest_row = offsets[dests, me][None, :] + within  # [L, R]
-    # Flatten (l, c) in destination order, then expert order.
+    # Destination order (remote round-robin, this rank's own last), then expert order.
     position = {d: i for i, d in enumerate(destination_order(me, group_size))}
-    key = np.array([position[d] for d in dests])  # remote round-robin, this rank's own last
-    c_order = np.argsort(key, kind="stable")
-    l_idx, c_idx = np.meshgrid(np.arange(num_local), c_order, indexing="xy")
-    l_idx, c_idx = l_idx.reshape(-1), c_idx.reshape(-1)  # c-major, l inner
-    n = counts[l_idx, c_idx]
-    nb = _ceil_div(n, bm)
-    run = np.repeat(np.arange(len(n)), nb)
-    blk = np.arange(int(nb.sum())) - np.repeat(np.cumsum(nb) - nb, nb)
-    r0 = row_start[l_idx, c_idx][run] + blk * bm
-    r1 = np.minimum(r0 + bm, (row_start[l_idx, c_idx] + n)[run])
-    ncb = _ceil_div(hidden, bn)
-    tiles = np.empty((len(run) * ncb, k.TILE_FIELDS), dtype=np.int64)
-    tiles[:, 0] = np.repeat(l_idx[run], ncb)
-    tiles[:, 1] = np.repeat(r0, ncb)
-    tiles[:, 2] = np.repeat(r1, ncb)
-    tiles[:, 3] = np.tile(np.arange(ncb) * bn, len(run))
-    tiles[:, 4] = np.repeat(dests[c_idx][run], ncb)
-    tiles[:, 5] = np.repeat(dest_row[l_idx, c_idx][run] + blk * bm, ncb)
-    if tiles.size and tiles.max() >= 2**31:
-        raise ValueError("a tile coordinate does not fit in int32")
-    remote = tiles[:, 4] != me
+    c_order = np.argsort(np.array([position[d] for d in dests]), kind="stable")
+    l_idx = np.tile(np.arange(num_local), group_size)
+    c_idx = np.repeat(c_order, num_local)
+    rows = counts[l_idx, c_idx]
+    col_blocks = _ceil_div(hidden, bn)
+    tiles = _ceil_div(rows, bm) * col_blocks
+    segments = np.stack([l_idx, row_start[l_idx, c_idx], rows, dests[c_idx],
+                         dest_row[l_idx, c_idx], np.cumsum(tiles) - tiles], axis=1)
+    if segments.size and max(int((segments[:, 1] + segments[:, 2]).max()),
+                              int((segments[:, 4] + segments[:, 2]).max()),
+                              int(tiles.sum())) >= 2**31:
+        raise ValueError("a row or tile coordinate does not fit in int32")
+    remote = dests[c_idx] != me
 
     # Tiles every sender s stores into this rank: ceil(rows/bm) * column blocks per expert.
     mine = routed[me].reshape(ep, num_local)  # my tokens per expert, by EP rank
-    tiles_from_ep = (_ceil_div(mine, bm) * ncb).sum(axis=1)
+    tiles_from_ep = (_ceil_div(mine, bm) * col_blocks).sum(axis=1)
     arrivals = tiles_from_ep[ep_of_sender].astype(np.int64)
     arrivals[me] = 0
 
@@ -180,8 +237,10 @@ def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> Dire
     finalize_base = (offsets[me][senders] - first_pair_of_ep[expert_ep][None, :]
                      + first_pair[None, :] - 1)
     return DirectLayout(
-        tiles_remote=tiles[remote].astype(np.int32),
-        tiles_local=tiles[~remote].astype(np.int32),
+        segments=segments.astype(np.int32),
+        num_remote=int(tiles[remote].sum()),
+        num_local=int(tiles[~remote].sum()),
+        col_blocks=int(col_blocks), bm=bm, bn=bn,
         arrivals=arrivals,
         recv_rows=recv_rows.astype(np.int64),
         finalize_base=finalize_base.astype(np.int32),
@@ -292,28 +351,48 @@ class _Call:
                              "(build_metadata(..., routing_map=...))")
         with span("mo.direct_layout"):
             lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
-            self.num_remote, self.num_local = len(lay.tiles_remote), len(lay.tiles_local)
-            tiles = np.concatenate([lay.tiles_remote, lay.tiles_local]).reshape(
-                -1, k.TILE_FIELDS)
-            if self.tile.static:
-                tiles = tiles[wave_order(self.num_remote, self.num_local, self.grid,
-                                         self.num_comm)]
+            self.num_remote, self.num_local = lay.num_remote, lay.num_local
+            tile_list = tile_list_source()
+            # Wave order: each wave of `grid` entries holds kc remote-bound tiles (`wave_order`).
+            waves = (self.tile.static and self.num_remote > 0 and self.num_local > 0
+                     and self.grid >= 2)
+            kc = min(max(self.num_comm, 1), self.grid - 1) if waves else 1
+            if tile_list == "host":
+                table = expand_tiles(lay)
+                if waves:
+                    table = table[wave_order(self.num_remote, self.num_local, self.grid, kc)]
+            else:
+                table = lay.segments
         ws.ensure_capacity(int(lay.recv_rows.max(initial=0)))
         self.epoch = ws.next_epoch()
         self.row_base = (self.epoch % 2) * ws.capacity_rows
         targets = ws.add_expected_arrivals(lay.arrivals)
         with span("mo.h2d"):
-            # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, tiles.
+            # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, and
+            # the segments (or, with the host tile list, the tiles).
             r2, n_base = 2 * meta.group_size, lay.finalize_base.size
-            host = torch.empty(r2 + n_base + tiles.size, dtype=torch.int32, pin_memory=self.gpu)
+            host = torch.empty(r2 + n_base + table.size, dtype=torch.int32, pin_memory=self.gpu)
             buf = host.numpy()
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
-            buf[r2 + n_base:] = tiles.reshape(-1)
+            buf[r2 + n_base:] = table.reshape(-1)
             dev = host.to(device, non_blocking=True)
             self.targets = dev[:r2].view(torch.int64)
             self.finalize_base = dev[r2: r2 + n_base]
-            self.tiles = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
+            table = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
+        with span("mo.tile_list"):
+            num_tiles = self.num_remote + self.num_local
+            if tile_list == "host":
+                self.tiles = table
+            else:
+                self.tiles = torch.empty(num_tiles, k.TILE_FIELDS, dtype=torch.int32,
+                                         device=device)
+                if num_tiles:
+                    segs = len(lay.segments)
+                    k._tile_list_kernel[(triton.cdiv(num_tiles, TILE_LIST_BLOCK),)](
+                        table, self.tiles, segs, self.num_remote, self.num_local, self.grid,
+                        kc, lay.col_blocks, max(1, segs.bit_length()), BM=self.tile.bm,
+                        BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK, num_warps=4)
         with span("mo.index"):
             rmap = meta.routing_map.view(torch.uint8)
             kmax = max(1, min(int(meta.topk or rmap.shape[1]), rmap.shape[1]))

@@ -75,6 +75,45 @@ def _index_mismatch():
             f"{call.index[bad[0]].tolist()} vs {want[bad[0]].tolist()}")
 
 
+def _tile_list_mismatch():
+    """The device tile list (`_tile_list_kernel`) against the host twin (`expand_tiles` +
+    `wave_order`) for several plans, layouts and routings (empty segments included); None
+    when every one agrees."""
+    import os
+
+    import torch
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import (
+        INTERPRETER_TILE, TILE_LIST_ENV, _Call)
+    from megatron_overlap.resource import Plan
+    from megatron_overlap.symm import local_workspaces
+    from tests.support.op_problem import OpCase, rank_operands
+
+    problems = []
+    for tp, ep, routing in ((1, 2, "skewed"), (2, 2, "uniform"), (1, 4, "sparse")):
+        case = OpCase(tp, ep, num_experts=4 * ep, topk=2,
+                      tokens_per_rank=[40 + 17 * g for g in range(tp * ep)], routing=routing,
+                      hidden=48, ffn=16, seed=3, dtype=torch.float32)
+        for grid, comm, static in ((1, 1, True), (5, 2, True), (4, 3, True), (3, 9, True),
+                                   (4, 2, False)):
+            tile = dataclasses.replace(INTERPRETER_TILE, static=static)
+            plan = Plan(num_comm_ctas=comm, num_ctas=grid, source="test")
+            lists = {}
+            for source in ("device", "host"):
+                os.environ[TILE_LIST_ENV] = source
+                ws = local_workspaces(tp * ep, hidden=48, dtype=case.dtype, device="cpu",
+                                      capacity_rows=4096)
+                h, w2, meta = rank_operands(case, tp * ep - 1)
+                call = _Call(meta, ws[tp * ep - 1], plan, hidden=48, dtype=h.dtype,
+                             device=h.device, timeout_s=1.0, tile=tile)
+                lists[source] = call.tiles.clone()
+            os.environ.pop(TILE_LIST_ENV)
+            if not torch.equal(lists["device"], lists["host"]):
+                problems.append(f"tp{tp} ep{ep} {routing} grid {grid} k {comm} static "
+                                f"{static}: {lists['device'].shape} vs {lists['host'].shape}")
+    return "; ".join(problems) or None
+
+
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
 
@@ -110,6 +149,7 @@ def _simulate() -> dict:
             key = f"{case} rank {g}"
             report[key] = describe_mismatch(out, dense_output(case, g), rel_tol=1e-5)
     report["index"] = _index_mismatch()
+    report["tile_list"] = _tile_list_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
     case = _cases()[3]  # a 2-rank layout
     ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
@@ -136,6 +176,8 @@ def test_kernels_in_interpreter():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     timeout_msg = report.pop("timeout")
+    assert report.pop("index") is None
+    assert report.pop("tile_list") is None
     assert "finalize timed out waiting for sender rank 1" in timeout_msg, timeout_msg
     assert "tp_ep rank 0" in timeout_msg, timeout_msg
     bad = {k: v for k, v in report.items() if v is not None}
