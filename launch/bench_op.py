@@ -319,22 +319,24 @@ def main() -> int:
                 peer_bandwidth_gbps=bandwidth, git_sha=git_sha(),
                 timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 torch=torch.__version__)
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for model in args.models:
         for layout in args.layouts:
             for tokens in args.tokens:
-                new = run_workload(model, tokens, layout, args, device, bandwidth)
-                rows += [dict(r, **info) for r in new]
+                new = [dict(r, **info)
+                       for r in run_workload(model, tokens, layout, args, device, bandwidth)]
+                rows += new
                 if dist.get_rank() == 0:
+                    with open(args.out, "a") as f:  # row by workload: a cut run keeps them
+                        for r in new:
+                            f.write(json.dumps(r) + "\n")
                     g = {r["provider"]: r["p50_ms"] for r in new}
                     print(f"{model} {layout} {tokens}: " + " ".join(
                         f"{k} {v:.3f}" for k, v in g.items()), flush=True)
     if dist.get_rank() == 0:
         print(f"peer bandwidth (copy engine, 1 GiB): {bandwidth:.0f} GB/s")
         print(table(rows))
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
         try:
             plot(rows, os.path.splitext(args.out)[0] + ".png")
         except ImportError:
