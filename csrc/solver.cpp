@@ -125,9 +125,31 @@ std::pair<int64_t, int64_t> solve_unchecked(const Problem& p) {
     const int64_t k0 = smallest_k_with_remote_at_most(p, w0, kmax);
     if (k0 != 0 && k0 <= ks) kc = k0;
   }
-  if (kc == 0 && ks < kmax) {  // binary search in (ks, kmax]
+  if (kc == 0 && ks < kmax) {  // search in (ks, kmax]
     int64_t lo = std::max<int64_t>(ks, 0), hi = kmax;  // P(lo) false (or lo = 0), P(hi)?
     if (remote_bound(p, hi) <= wave_bound(p, hi)) {
+      // Here k * c_link > m, so R ~ max(T_r * m / k, T_r * c_link) and W ~ (T_l * tau +
+      // T_r * c_link * k) / G. W meets the first term at the root of T_r c_link k^2 +
+      // T_l tau k - T_r m G = 0 and the second at (T_r c_link G - T_l tau) / (T_r c_link);
+      // the crossing is near the larger. Probing it and its neighbour usually pins kc in
+      // two evaluations (a plain binary search takes ~7, each with two 64-bit divisions);
+      // the binary search below finishes the job whenever the guess is off, so the result
+      // is exact either way.
+      const double a = double(p.tr) * double(p.c_link), b = double(p.tl) * double(p.tau);
+      const double c = double(p.tr) * double(m) * double(p.g);
+      const double root = std::max((-b + std::sqrt(b * b + 4.0 * a * c)) / (2.0 * a),
+                                   (a * double(p.g) - b) / a);
+      const int64_t guess = root >= double(hi) ? hi
+                            : std::min(hi, std::max(lo + 1, int64_t(root)));
+      if (remote_bound(p, guess) <= wave_bound(p, guess)) {
+        hi = guess;
+        if (guess - 1 > lo && !(remote_bound(p, guess - 1) <= wave_bound(p, guess - 1)))
+          lo = guess - 1;
+      } else {
+        lo = guess;
+        if (guess + 1 < hi && remote_bound(p, guess + 1) <= wave_bound(p, guess + 1))
+          hi = guess + 1;
+      }
       while (hi - lo > 1) {
         const int64_t mid = lo + (hi - lo) / 2;
         if (remote_bound(p, mid) <= wave_bound(p, mid)) hi = mid; else lo = mid;
