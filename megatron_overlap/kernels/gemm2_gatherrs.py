@@ -26,7 +26,8 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   fixed order (expert ascending, then TP rank) into the output: deterministic. The rows of
   each token come from `_index_kernel` (row = base[tp, e] + rank of the token among expert
   e's tokens, from the routing map's per-block token counts (`_block_count_kernel`) and an
-  in-block prefix sum), which needs only the routing map and so runs when the call is prepared (while FC1 runs).
+  in-block prefix sum), which needs only the routing map and so runs when the call is
+  prepared (while FC1 runs).
 
 No pre-reduction happens before the rows travel: every (token, expert) row is stored once,
 where it is summed (the design brief's gather-then-send needs y written, re-read and
@@ -211,11 +212,12 @@ def _tile_list_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, g
 
     seg: int32 [S, SEGMENT_FIELDS], remote segments first (their tiles are the first
     num_remote); tiles: int32 [num_remote + num_local, TILE_FIELDS]. Tile i belongs to the
-    last segment whose first tile is <= i (binary search, `search_steps` >= log2(S) + 1
+    last segment whose first tile is <= i (binary search, `search_steps` >= ceil(log2(S))
     steps); within it, row block q // col_blocks and column block q % col_blocks. With WAVES
     the entries are stored in the wave order of `wave_order` (each wave of `grid` entries
     holds num_comm remote and grid - num_comm local tiles while both last; closed form of
-    the merged positions, 0 < num_comm < grid), else in list order.
+    the merged positions, 0 < num_comm < grid; int32, so the launcher keeps
+    (num_remote + num_local) * grid < 2^31), else in list order.
     """
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_remote + num_local

@@ -64,7 +64,7 @@ class GatherRSSequentialMLP(SequentialMLP):
         # thousand tokens): the stacked views, and the structural part of the FC1 check.
         self.fc1_stack_cache = StackedViewCache()
         self.fc2_stack_cache = StackedViewCache()
-        self._fc1_check = (None, None)  # (ids of the linear_fc1 modules + fc1_impl, reason)
+        self._fc1_check = (None, None)  # (the linear_fc1 modules, their structural reason)
         if self.stacks_weights:
             self.stack_weights_()
 
@@ -102,8 +102,9 @@ class GatherRSSequentialMLP(SequentialMLP):
             return "fc1_impl='loop'"
         if self.fc1_impl == "auto" and not x.is_cuda:
             return f"fc1_impl='auto' takes the grouped GEMM on CUDA only (rows on {x.device})"
-        # The structural checks loop over every expert's modules: cached per module set.
-        key = tuple(id(e.linear_fc1) for e in self.local_experts)
+        # The structural checks loop over every expert's modules: cached per module set
+        # (the modules themselves, compared by identity, so no id can be reused meanwhile).
+        key = tuple(e.linear_fc1 for e in self.local_experts)
         if self._fc1_check[0] != key:
             self._fc1_check = (key, grouped_fc1_unsupported_reason(self, None))
         return self._fc1_check[1] or autograd_reason(self, x)

@@ -357,6 +357,8 @@ class _Call:
             waves = (self.tile.static and self.num_remote > 0 and self.num_local > 0
                      and self.grid >= 2)
             kc = min(max(self.num_comm, 1), self.grid - 1) if waves else 1
+            if waves and (self.num_remote + self.num_local) * self.grid >= 2**31:
+                tile_list = "host"  # the kernel's wave positions are int32 products
             if tile_list == "host":
                 table = expand_tiles(lay)
                 if waves:
