@@ -388,6 +388,7 @@ WORLD2 = [
     Case(tp=2),
     Case(ep=2, num_experts=8, topk=3, dtype=torch.bfloat16),
 ]
+WORLD4 = [Case(tp=2, ep=2), Case(ep=4), Case(tp=4)]
 
 
 def check_layer(case: Case, res: dict, where: str) -> None:
@@ -430,9 +431,9 @@ def _check_layout(res: dict) -> None:
     assert res["bad_impl"] is not None and "fc1_impl='bogus'" in res["bad_impl"], res
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_flag_on_experts_layout_and_grouped_fc1(world):
-    cases = WORLD1 if world == 1 else WORLD2
+    cases = {1: WORLD1, 2: WORLD2, 4: WORLD4}[world]
     results = run_distributed(_worker, world, cases, timeout_s=300)
     for rank, per_rank in enumerate(results):
         for case, res in zip(cases, per_rank):

@@ -26,10 +26,12 @@ CASES = {
         suite.Case(dtype=torch.bfloat16, num_experts=8, topk=4)],
     2: [suite.Case(ep=2, dtype=torch.bfloat16), suite.Case(tp=2, dtype=torch.bfloat16),
         suite.Case(ep=2, num_experts=16, topk=8, dtype=torch.bfloat16)],
+    4: [suite.Case(tp=2, ep=2, dtype=torch.bfloat16), suite.Case(ep=4, dtype=torch.bfloat16),
+        suite.Case(tp=4, dtype=torch.bfloat16)],
 }
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_grouped_fc1_and_fc2_view_on_gpu(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")

@@ -28,7 +28,7 @@ def _needs_gpus(world: int) -> None:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_reference_op_on_gpu(world):
     _needs_gpus(world)
     cases = op_suite._cases(world)
@@ -37,7 +37,7 @@ def test_reference_op_on_gpu(world):
     op_suite.check_results(cases, results)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_flag_on_matches_flag_off_on_gpu(world):
     _needs_gpus(world)
     cases = flag_suite._cases(world)

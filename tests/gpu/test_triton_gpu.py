@@ -1,5 +1,6 @@
 """The Triton GEMM2 + GatherRS kernels on GPUs: against the reference, across calls, CTA
-counts and layouts, plus the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs.
+counts and layouts, plus the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs,
+world 4 (TP2 x EP2, EP4, TP4) needs 4 (not run yet: no 4-GPU machine has been lent).
 
 bf16 tolerance 2 ** -6 relative to the case's largest |output| (as the CPU suites): the
 kernels round each GEMM2 row to bf16 and sum a token's rows in fp32 once; the reference
@@ -51,7 +52,7 @@ def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0):
 
 
 def _layouts(world: int):
-    return {1: [(1, 1)], 2: [(1, 2), (2, 1)]}[world]
+    return {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(2, 2), (1, 4), (4, 1)]}[world]
 
 
 def _op_cases(world: int) -> list:
@@ -108,7 +109,7 @@ def _op_worker(rank: int, world: int) -> dict:
     return report
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_triton_matches_reference(world):
     _needs_gpus(world)
     results = run_distributed(_op_worker, world, timeout_s=580, backend="nccl")
@@ -163,7 +164,7 @@ def test_timeout_names_rank_and_sender():
         assert "waiting for sender rank 1" in message, message
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_flag_on_triton_matches_flag_off(world):
     _needs_gpus(world)
     cases = [dataclasses.replace(c, dtype=torch.bfloat16, check_grads=False, backend="triton")
