@@ -228,6 +228,14 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     if device == "cpu" and torch.cuda.is_available():
         raise ValueError("--device cpu: CUDA is visible; the CPU patches of Megatron refuse to "
                          "run then (hide the GPUs with CUDA_VISIBLE_DEVICES=)")
+    if args.trace_dir and not args.profile:
+        raise ValueError("--trace-dir writes the traces of --profile: add --profile")
+    if args.trace_dir:
+        try:  # now, not after the timing
+            os.makedirs(args.trace_dir, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--trace-dir {args.trace_dir}: cannot create it "
+                             f"({err.strerror})") from None
     defaults = CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS
     layouts = args.layouts or list(dict.fromkeys([(1, world_size), (world_size, 1)]))
     for tp, ep in layouts:

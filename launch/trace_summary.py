@@ -23,9 +23,21 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def load(path: str) -> list[dict]:
-    with open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    """The complete ("X") events of a chrome trace.
+
+    Raises:
+        ValueError: the file cannot be read or is not a chrome trace (names the file).
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a JSON chrome trace ({err})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list (not a torch.profiler chrome trace)")
     return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
 
 
@@ -52,9 +64,13 @@ def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
                                                        "cuda_runtime", "python_function")]
     busy = busy_intervals(device)
     busy_us = sum(b - a for a, b in busy)
-    lines = [f"== {path}",
-             f"span {t1 - t0:.0f} us; device busy {busy_us:.0f} us, idle "
-             f"{(t1 - t0) - busy_us:.0f} us inside the span"]
+    lines = [f"== {path}"]
+    if busy:
+        lines.append(f"span {t1 - t0:.0f} us; device busy {busy_us:.0f} us, idle "
+                     f"{(t1 - t0) - busy_us:.0f} us inside the span")
+    else:
+        lines.append(f"span {t1 - t0:.0f} us; no device events (a CPU run, or the profiler "
+                     "recorded no CUDA activity)")
     if busy:
         lines.append(f"device first start +{busy[0][0] - t0:.0f}, last end +{busy[-1][1] - t0:.0f}")
 
@@ -92,7 +108,10 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=12, help="kernels listed (default 12)")
     args = parser.parse_args(argv)
     for path in args.traces:
-        print(summarize(path, args.gap_us, args.top))
+        try:
+            print(summarize(path, args.gap_us, args.top))
+        except ValueError as err:
+            parser.error(str(err))
     return 0
 
 

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +18,26 @@ BACKENDS = ("auto", "triton", "reference")
 
 DEFAULT_TIMEOUT_S = 30.0
 """Default bound on every GPU spin-wait of the fused kernels, in seconds."""
+TIMEOUT_RANGE_S = (1e-6, 1e6)
+"""Accepted `timeout_s` (the kernels count it in int64 nanoseconds of the GPU timer)."""
+
+TILE_LIST_ENV = "MEGATRON_OVERLAP_TILE_LIST"
+"""Where the Triton path builds the GEMM2 kernel's tile list: "device" (default: the host
+sends one entry per destination and local expert, `_tile_list_kernel` expands them) or
+"host" (numpy `expand_tiles` + `wave_order`, the whole list copied; the twin, for
+comparison and debugging)."""
+
+
+def tile_list_source() -> str:
+    """$MEGATRON_OVERLAP_TILE_LIST, "device" when unset or empty.
+
+    Raises:
+        ValueError: any other value than "device" or "host".
+    """
+    value = os.environ.get(TILE_LIST_ENV, "device") or "device"
+    if value not in ("device", "host"):
+        raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'device' or 'host'")
+    return value
 
 
 @dataclass(frozen=True)
@@ -51,18 +73,23 @@ class GatherRSOptions:
                 f"{BACKENDS}"
             )
         if self.num_comm_ctas is not None:
-            if isinstance(self.num_comm_ctas, bool) or not isinstance(self.num_comm_ctas, int):
+            if isinstance(self.num_comm_ctas, bool) or not isinstance(self.num_comm_ctas,
+                                                                      numbers.Integral):
                 raise TypeError(
                     f"moe_gatherrs_num_comm_ctas={self.num_comm_ctas!r} must be an int or None"
                 )
+            object.__setattr__(self, "num_comm_ctas", int(self.num_comm_ctas))
             if self.num_comm_ctas < 1:
                 raise ValueError(
                     f"moe_gatherrs_num_comm_ctas={self.num_comm_ctas} must be >= 1 (or None for "
                     "the resource manager's choice)"
                 )
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real):
             raise TypeError(f"moe_gatherrs_timeout_s={self.timeout_s!r} must be a number")
-        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+        low, high = TIMEOUT_RANGE_S
+        if not (math.isfinite(self.timeout_s) and low <= self.timeout_s <= high):
             raise ValueError(
-                f"moe_gatherrs_timeout_s={self.timeout_s} must be a finite number of seconds > 0"
+                f"moe_gatherrs_timeout_s={self.timeout_s} must be a number of seconds in "
+                f"[{low:g}, {high:g}]"
             )
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))

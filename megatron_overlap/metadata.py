@@ -232,11 +232,25 @@ def build_metadata(
     elif dest_token_mask.dim() != 2 or dest_token_mask.shape[1] != ep_size:
         raise ValueError(f"dest_token_mask must be [T, EP={ep_size}] bool, got shape "
                          f"{tuple(dest_token_mask.shape)}")
-    counts = np.asarray(counts, dtype=np.int64)
+    if isinstance(counts, torch.Tensor):
+        counts = counts.detach().cpu().numpy()
+    try:
+        raw = np.asarray(counts)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"counts must be an integer array [R, E + EP], got "
+                        f"{type(counts).__name__} ({err})") from None
+    if raw.dtype.kind not in "iu":
+        raise TypeError(f"counts must be an integer array [R, E + EP], got "
+                        f"{type(counts).__name__} of dtype {raw.dtype}")
+    counts = raw.astype(np.int64, copy=False)
     if counts.ndim != 2 or counts.shape[0] != group_size or counts.shape[1] <= ep_size:
         raise ValueError(
             f"counts must be [R={group_size}, E + EP] with EP={ep_size}, got {counts.shape}"
         )
+    if (routing_map is not None and row_slot is not None and routing_map.dim() == 2
+            and routing_map.shape[0] != dest_token_mask.shape[0]):
+        raise ValueError(f"dest_token_mask has {dest_token_mask.shape[0]} tokens, routing_map "
+                         f"{routing_map.shape[0]}: both are this rank's [T, ...] tables")
     if routing_map is not None and (
         routing_map.dtype != torch.bool or routing_map.dim() != 2
         or routing_map.shape[0] != dest_token_mask.shape[0]
@@ -281,6 +295,21 @@ def build_metadata(
     num_rows = int(rows_per_expert_per_chunk.sum())
     if row_slot.numel() != num_rows:
         raise ValueError(f"row_slot has {row_slot.numel()} rows, the counts say {num_rows}")
+    if validate and num_rows > 1:
+        # Within one (local expert, source chunk) run the rows are the source's tokens in
+        # ascending order, so their slots (ranks among that source's tokens for this EP
+        # rank) strictly increase; anything else is a mis-ordered row_slot.
+        runs = rows_per_expert_per_chunk.reshape(-1)
+        starts = np.zeros(num_rows, dtype=bool)
+        starts[(np.cumsum(runs) - runs)[runs > 0]] = True
+        rising = (row_slot[1:] > row_slot[:-1]).cpu().numpy()
+        bad = np.nonzero(~rising & ~starts[1:])[0]
+        if bad.size:
+            raise ValueError(
+                f"row_slot is not in the order of the received rows: row {int(bad[0]) + 1} "
+                f"has slot {int(row_slot[bad[0] + 1])} after {int(row_slot[bad[0]])} within "
+                "one (local expert, source chunk) run, where slots strictly increase (rows "
+                "in Megatron's dispatch_postprocess order; see source_slots)")
 
     send_slots = counts[:, num_experts + ep_rank].copy()  # [R] group order
     # rows_from[g, s]: pre-reduced rows sender s sends to rank g (s's EP rank's slots of g).

@@ -20,9 +20,10 @@
 #      reference check where it fits in memory.
 #   3. the same prefill, layout tp2 + SP.
 #   4. python -m megatron_overlap.bench.make_report over the rows -> $OUT/report.md + PNGs.
-# Expected wall time (estimate from the op benchmark and earlier prefill runs, not yet
-# measured): ~1.5-2.5 min layer grid, ~2-3 min per prefill layout, plus ~20 s of start-up
-# and Triton compilation per launch: ~6-8 min in all, inside MO_BUDGET_S.
+# Wall time measured on 2x H200 (commits b4da448 / fc20191): layer grid 109 s (all 40
+# workloads); prefill EP2 did not finish 5 models in 68 s (the split of a 250 s budget)
+# and took ~100 s on its own; prefill TP2 67 s. So ~5 min in all: the default 480 s budget
+# fits; with less, the later phases are cut (their finished models' rows stay).
 #
 # Knobs (environment): MO_BUDGET_S (default 480: seconds for phases 1-3), MO_MODELS
 # (space-separated), MO_SEQS, MO_LAYER_ITERS (20), MO_PREFILL_ITERS (10), MO_MOE_LAYERS (2).

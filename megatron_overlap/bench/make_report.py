@@ -469,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_overlap.bench.make_report",
                                      description="Markdown report of layer/prefill rows")
     parser.add_argument("jsonl", nargs="+", help="JSON-lines files of benchmark rows")
-    parser.add_argument("--out", default="docs/report.md", help="report path (default "
-                        "docs/report.md); PNGs are written next to it")
+    parser.add_argument("--out", default="results/report.md", help="report path (default "
+                        "results/report.md, untracked; the committed report is regenerated "
+                        "with --out docs/report.md); PNGs are written next to it")
     parser.add_argument("--include-cpu", action="store_true",
                         help="keep rows measured on a CPU (tests; not benchmark numbers)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
@@ -481,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     rows, more = select_rows(raw, include_cpu=args.include_cpu)
     notes.update(more)
+    if not rows:
+        print(f"make_report: no layer or prefill rows to report in {args.jsonl} "
+              f"({notes}); nothing written" + ("" if args.include_cpu else
+                                              " (CPU rows need --include-cpu)"),
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plots = {}

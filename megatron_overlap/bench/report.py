@@ -20,10 +20,33 @@ from typing import Dict, List, Tuple
 PROVIDERS = ("gemm", "megatron", "prereduced", "ours", "ours_nocomm", "bound")
 
 
+OP_FIELDS = ("model", "tokens_per_rank", "layout", "provider", "p50_ms")
+"""Fields every operator row has (`launch/bench_op.py`)."""
+
+
 def load_rows(path: str) -> List[dict]:
-    """The JSON rows of a .jsonl file."""
+    """The operator rows of a .jsonl file.
+
+    Raises:
+        ValueError: a line is not JSON, or a row lacks an operator-row field (e.g. layer
+            or prefill rows, which `megatron_overlap.bench.make_report` reads).
+    """
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not a JSON row ({err})") from None
+            missing = [k for k in OP_FIELDS if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{n}: not an operator row (bench_op.py): no "
+                                 f"{missing}; layer / prefill rows go to "
+                                 "python -m megatron_overlap.bench.make_report")
+            rows.append(row)
+    return rows
 
 
 def by_workload(rows: List[dict]) -> Dict[Tuple, Dict[str, float]]:
@@ -99,7 +122,10 @@ def main() -> int:
     parser.add_argument("jsonl")
     parser.add_argument("--plot", help="write a PNG bar chart here")
     args = parser.parse_args()
-    rows = load_rows(args.jsonl)
+    try:
+        rows = load_rows(args.jsonl)
+    except (OSError, ValueError) as err:
+        parser.error(str(err))
     print(table(rows))
     if args.plot:
         plot(rows, args.plot)

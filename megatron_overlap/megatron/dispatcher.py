@@ -23,12 +23,15 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from megatron_overlap.config import tile_list_source
 from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 from megatron_overlap.ops.gemm2_gatherrs import triton_unavailable_reason
 from megatron_overlap.profiling import span
 from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
+from megatron_overlap.resource.profile import load_profile
+from megatron_overlap.resource.solver import implementation as solver_implementation
 
 
 def _as_list(splits) -> List[int]:
@@ -66,11 +69,19 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     `gemm2_gatherrs_combine` runs the fused operation.
 
     Raises:
-        ValueError: the config is not supported by the fused path (`validate_gatherrs_config`).
+        ValueError: the config is not supported by the fused path (`validate_gatherrs_config`),
+            or an environment variable of the fused path has a bad value
+            (`MEGATRON_OVERLAP_TILE_LIST`, `MEGATRON_OVERLAP_HW_PROFILE`,
+            `MEGATRON_OVERLAP_SOLVER`): checked here, on every device, so that a typo does
+            not wait for the first GPU launch.
+        ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         validate_gatherrs_config(config)
+        tile_list_source()
+        load_profile()
+        solver_implementation()
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         self.options = gatherrs_options(config)
         self.metadata: Optional[GatherRSMetadata] = None

@@ -79,12 +79,15 @@ def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,
     return "reference"
 
 
-def _check_types(meta, options, prepared=None) -> None:
+def _check_types(meta, options, prepared=None, plan=None) -> None:
     if not isinstance(meta, GatherRSMetadata):
         raise TypeError(f"meta must be a GatherRSMetadata (build_metadata), got "
                         f"{type(meta).__name__}")
     if not isinstance(options, GatherRSOptions):
         raise TypeError(f"options must be a GatherRSOptions, got {type(options).__name__}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a resource.Plan (plan_gemm2_gatherrs) or None, got "
+                        f"{type(plan).__name__}")
     if prepared is not None and not hasattr(prepared, "run"):
         raise TypeError(f"prepared must come from prepare_gemm2_gatherrs, got "
                         f"{type(prepared).__name__}")
@@ -114,7 +117,7 @@ def prepare_gemm2_gatherrs(
     Raises:
         ValueError: unknown backend; RuntimeError: "triton" where it cannot run.
     """
-    _check_types(meta, options)
+    _check_types(meta, options, plan=plan)
     backend = resolve_backend(options.backend, h_like, w2, group)
     if backend == "reference":
         return None
@@ -165,7 +168,7 @@ def gemm2_gatherrs(
             (Triton: reported by the call that finds the record, this one or a later one on
             the same workspace; `GatherRSWorkspace.check_errors()` checks now).
     """
-    _check_types(meta, options, prepared)
+    _check_types(meta, options, prepared, plan)
     check_operands(h, w2, meta)
     if prepared is None:
         prepared = prepare_gemm2_gatherrs(h, w2, meta, group=group, options=options, plan=plan)

@@ -33,7 +33,6 @@ compiling, so no rank's finalize waits out a peer's JIT compilation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
 from megatron_overlap.profiling import span
@@ -81,22 +81,6 @@ INDEX_BLOCK_TOKENS = 64
 """Tokens per CTA of `_block_count_kernel` / `_index_kernel` on the GPU."""
 TILE_LIST_BLOCK = 256
 """Tile entries per CTA of `_tile_list_kernel`."""
-TILE_LIST_ENV = "MEGATRON_OVERLAP_TILE_LIST"
-"""Where the tile list is built: "device" (default: the host sends the L x R segments and
-`_tile_list_kernel` expands them) or "host" (numpy `expand_tiles` + `wave_order`, the whole
-list copied; the twin, for comparison and debugging)."""
-
-
-def tile_list_source() -> str:
-    """$MEGATRON_OVERLAP_TILE_LIST, "device" when unset.
-
-    Raises:
-        ValueError: any other value than "device" or "host".
-    """
-    value = os.environ.get(TILE_LIST_ENV, "device") or "device"
-    if value not in ("device", "host"):
-        raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'device' or 'host'")
-    return value
 
 
 def default_tile(device: torch.device) -> TileConfig:

@@ -246,6 +246,9 @@ def plan_gemm2_gatherrs(
 
     hidden, ffn = _positive_int("hidden", hidden), _positive_int("ffn", ffn)
     elem_bytes = _positive_int("elem_bytes", elem_bytes)
+    if elem_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"elem_bytes={elem_bytes}: expected the byte size of a dtype "
+                         "(1, 2, 4 or 8)")
     if (not isinstance(tile, tuple) or len(tile) != 3
             or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile)):
         raise ValueError(f"tile={tile!r}: expected (BM, BN, BK), three ints >= 1")

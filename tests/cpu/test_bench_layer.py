@@ -144,6 +144,18 @@ def test_bad_layout_exits_2(tmp_path):
     assert rows == []
 
 
+def test_trace_dir_needs_profile_and_a_writable_place(tmp_path):
+    mod = _module()
+    parser = mod.build_parser()
+    with pytest.raises(ValueError, match="add --profile"):
+        mod.resolve_args(parser.parse_args(["--trace-dir", str(tmp_path / "t")]), 1)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="cannot create it"):
+        mod.resolve_args(parser.parse_args(["--profile", "--trace-dir",
+                                            str(blocker / "sub")]), 1)
+
+
 @pytest.mark.parametrize("text, layout", [("ep2", (1, 2)), ("tp2", (2, 1)),
                                           ("tp2ep4", (2, 4)), ("tp1ep1", (1, 1))])
 def test_parse_layout(text, layout):

@@ -148,3 +148,17 @@ def test_bad_input_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         mr.main([str(bad)])
     assert exc.value.code == 2 and "bad.jsonl:1: not JSON" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = tmp_path / "report.md"
+    assert mr.main([str(empty), "--out", str(out)]) == 2  # nothing to report: no file
+    assert not out.exists() and "no layer or prefill rows" in capsys.readouterr().err
+
+
+def test_operator_table_refuses_layer_rows(tmp_path):
+    from megatron_overlap.bench import report
+
+    rows = tmp_path / "layer.jsonl"
+    rows.write_text(json.dumps({"model": "m", "variant": "on", "seq_length": 64}) + "\n")
+    with pytest.raises(ValueError, match="not an operator row"):
+        report.load_rows(str(rows))

@@ -273,6 +273,10 @@ def test_unsupported_configs_raise():
         replace(base, moe_gatherrs_timeout_s=0)
     with pytest.raises(ValueError, match="moe_gatherrs_timeout_s"):
         replace(base, moe_gatherrs_timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="moe_gatherrs_timeout_s=1000000000000"):
+        replace(base, moe_gatherrs_timeout_s=1e12)  # past int64 nanoseconds
+    with pytest.raises(ValueError, match="moe_gatherrs_timeout_s"):
+        replace(base, moe_gatherrs_timeout_s=1e-9)
     with pytest.raises(TypeError, match="must be a bool"):
         replace(base, moe_gatherrs_overlap="false")
     # Megatron itself refuses moe_permute_fusion without TE, so check ours directly.
@@ -291,3 +295,19 @@ def test_unsupported_configs_raise():
 def test_flag_on_matches_flag_off(world):
     cases = _cases(world)
     check_results(world, cases, run_distributed(_worker, world, cases, timeout_s=400))
+
+
+@pytest.mark.parametrize("var, value, match", [
+    ("MEGATRON_OVERLAP_TILE_LIST", "bogus", "MEGATRON_OVERLAP_TILE_LIST='bogus'"),
+    ("MEGATRON_OVERLAP_HW_PROFILE", "nonexistent", "hardware profile 'nonexistent'"),
+    ("MEGATRON_OVERLAP_SOLVER", "bogus", "MEGATRON_OVERLAP_SOLVER='bogus'"),
+])
+def test_bad_environment_fails_at_construction(monkeypatch, var, value, match):
+    """A typo in a fused-path variable is an error when the dispatcher is built, on any
+    device, not at the first GPU launch."""
+    from megatron_overlap.megatron.dispatcher import GatherRSAlltoAllTokenDispatcher
+
+    monkeypatch.setenv(var, value)
+    config = _config(LayerCase(1, 1, num_experts=4, topk=2), True)
+    with pytest.raises(ValueError, match=match):
+        GatherRSAlltoAllTokenDispatcher(4, [0, 1, 2, 3], config)

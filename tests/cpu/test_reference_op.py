@@ -157,6 +157,11 @@ def test_bad_inputs_raise():
         (dict(dest_token_mask=None), ValueError, "dest_token_mask is required"),
         (dict(dest_token_mask=torch.ones(5, 2, dtype=torch.bool)), ValueError, "EP=1"),
         (dict(counts=good["counts"][:, [1, 0, 2, 3, 4]]), ValueError, "disagrees"),
+        (dict(row_slot=torch.flip(row_slot, [0])), ValueError, "not in the order"),
+        (dict(counts=good["counts"] + 0.5), TypeError, "counts must be an integer array"),
+        (dict(counts=None), TypeError, "counts must be an integer array"),
+        (dict(counts="abc"), TypeError, "counts must be an integer array"),
+        (dict(dest_token_mask=mask[:-1]), ValueError, "dest_token_mask has 4 tokens"),
     ]:
         if "counts" in change and np.array_equal(change["counts"], good["counts"]):
             continue  # the permuted counts happen to be equal
@@ -191,6 +196,8 @@ def test_prepare_and_type_errors_of_the_op():
         prepare_gemm2_gatherrs(h, w2, meta, group=None, options={"backend": "reference"})
     with pytest.raises(TypeError, match="prepared must come from prepare_gemm2_gatherrs"):
         gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared="x")
+    with pytest.raises(TypeError, match="plan must be a resource.Plan"):
+        gemm2_gatherrs(h, w2, meta, group=None, options=opts, plan="x")
     with pytest.raises(RuntimeError, match="need CUDA"):
         prepare_gemm2_gatherrs(h, w2, meta, group=None,
                                options=GatherRSOptions(backend="triton"))

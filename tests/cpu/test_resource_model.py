@@ -218,6 +218,9 @@ def test_plan_bad_input():
     meta = meta_of([[10, 10]])
     with pytest.raises(ValueError, match="hidden=0"):
         plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=132, hidden=0, ffn=64)
+    with pytest.raises(ValueError, match="elem_bytes=3"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=132, hidden=64, ffn=64,
+                            elem_bytes=3)
     with pytest.raises(TypeError):
         plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=132.0, hidden=64, ffn=64)
     with pytest.raises(ValueError, match="no tile time for tile 64x64x32"):
