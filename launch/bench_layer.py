@@ -80,6 +80,7 @@ from prefill import (
     init_process_group,
 )
 
+from megatron_overlap.bench.cli import parse_layout  # noqa: F401 (--layouts type; tests)
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
@@ -126,22 +127,6 @@ sees the identical input in every variant, so no token changes experts between t
 # --------------------------------------------------------------------------------------
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    """"ep2" -> (1, 2), "tp2" -> (2, 1), "tp2ep2" -> (2, 2), "tp1ep1" -> (1, 1).
-
-    Raises:
-        argparse.ArgumentTypeError: anything else (sizes must be >= 1).
-    """
-    import re
-
-    match = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", text)
-    if not text or match is None or not any(match.groups()):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected epN, tpN or tpXepY (e.g. ep2, tp2, tp1ep1)")
-    tp, ep = (int(g) if g else 1 for g in match.groups())
-    if tp < 1 or ep < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be >= 1")
-    return tp, ep
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,13 +31,20 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_overlap.bench.cli import add_timing_args, init_cuda_group, positive_int
+from megatron_overlap.bench.cli import (
+    add_timing_args,
+    init_cuda_group,
+    layout_label,
+    layout_sizes,
+    positive_int,
+)
 from megatron_overlap.bench.report import plot, table
 from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions
@@ -153,7 +160,7 @@ def megatron_combine(y, rows, tp, ep, hidden, num_tokens, group):
 def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) -> list:
     shape = load_model_shape(model)
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, ep = (1, world) if layout == "ep" else (world, 1)
+    tp, ep = layout_sizes(layout, world)
     hidden, ffn = shape.hidden_size, shape.moe_ffn_hidden_size // tp
     experts, topk = shape.num_moe_experts, shape.moe_router_topk
     tokens_per_rank = [tokens] * world
@@ -245,7 +252,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
     comm_ms = remote_bytes / (bandwidth * 1e9) * 1e3
     results["bound"] = {k: max(results["gemm"][k], comm_ms) for k in ("p20", "p50", "p80")}
     flops = 2.0 * n * ffn * hidden
-    common = dict(model=model, tokens_per_rank=tokens, layout=f"{layout}{world}",
+    common = dict(model=model, tokens_per_rank=tokens, layout=layout_label(tp, ep),
                   routing=args.routing, hidden=hidden, ffn_per_rank=ffn, local_experts=num_local,
                   topk=topk, rows=n, remote_bytes=remote_bytes, max_rel_err_vs_prereduced=err,
                   gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
@@ -292,8 +299,9 @@ def main() -> int:
                         help="model shapes (configs/models/*.yaml)")
     parser.add_argument("--tokens", nargs="+", type=positive_int,
                         default=[2048, 4096, 8192, 16384], help="tokens per rank")
-    parser.add_argument("--layouts", nargs="+", choices=("ep", "tp"), default=["ep", "tp"],
-                        help="ep: EP = world size; tp: TP = world size")
+    parser.add_argument("--layouts", nargs="+", default=["ep", "tp"],
+                        help="ep: EP = world size; tp: TP = world size; or tpXepY with "
+                             "TP x EP = world size (e.g. tp2ep2 on 4 GPUs)")
     parser.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
                         help="routing distribution (megatron_overlap.bench.workloads)")
     add_timing_args(parser, warmup=5, iters=20, per="per provider")
@@ -313,6 +321,14 @@ def main() -> int:
     device = init_cuda_group(__file__)
     if device is None:
         return 2
+    for layout in args.layouts:
+        try:
+            layout_sizes(layout, dist.get_world_size())
+        except ValueError as err:
+            if dist.get_rank() == 0:
+                print(f"bench_op.py: error: --layouts: {err}", file=sys.stderr)
+            dist.destroy_process_group()
+            return 2
     bandwidth = peer_bandwidth_gbps(device)
     rows = []
     info = dict(gpu=torch.cuda.get_device_name(device), world=dist.get_world_size(),

@@ -41,6 +41,9 @@ from megatron_overlap.bench import oracle  # noqa: E402
 from megatron_overlap.bench.cli import (  # noqa: E402
     add_timing_args,
     init_cuda_group,
+    layout_label,
+    layout_sizes,
+    parse_layout,
     non_negative_int,
     positive_float,
     positive_int,
@@ -55,7 +58,7 @@ def workload_metas(workload, world: int, seed: int, ranks=None):
     """(shape, tp, ep, {rank: metadata} for `ranks` (default all), [routing maps])."""
     model, layout, routing, tokens = workload
     shape = load_model_shape(model)
-    tp, ep = (1, world) if layout == "ep" else (world, 1)
+    tp, ep = layout_sizes(layout, world)
     maps = routing_maps([tokens] * world, shape.num_moe_experts, shape.moe_router_topk,
                         routing, seed=seed)
     metas = {g: rank_rows(maps, tp=tp, ep=ep, rank=g, topk=shape.moe_router_topk).meta
@@ -77,6 +80,7 @@ def dry_run(args) -> int:
     profile = load_profile(args.profile)
     num_sms = args.num_sms or profile.gpu.num_sms
     rows = []
+    _check_layouts(args, args.world)
     for w in _workloads(args):
         shape, tp, ep, metas, maps = workload_metas(w, args.world, args.seed)
         plans = [plan_for(m, shape, tp, maps, g, num_sms, profile=profile)
@@ -90,9 +94,10 @@ def dry_run(args) -> int:
         rows.append(_row(w, "plan", plans[0].num_comm_ctas, None,
                          max(p.predicted_us for p in plans) / 1e3,
                          k_ranks=[p.num_comm_ctas for p in plans], num_ctas=plans[0].num_ctas,
-                         k_step=max(1, args.k_step), source=plans[0].source))
+                         k_step=max(1, args.k_step), source=plans[0].source,
+                         layout_name=layout_label(tp, ep)))
         b = plans[0].breakdown
-        print(f"{w[0]} {w[1]}{args.world} {w[2]} {w[3]}: plan k={[p.num_comm_ctas for p in plans]} "
+        print(f"{w[0]} {layout_label(tp, ep)} {w[2]} {w[3]}: plan k={[p.num_comm_ctas for p in plans]} "
               f"of G={plans[0].num_ctas}, predicted {max(p.predicted_us for p in plans):.0f} us "
               f"(rank 0: T_r {b.remote_tiles}, T_l {b.local_tiles}, tau {b.tile_us:.1f} us, "
               f"R {b.remote_bound_us:.0f}, W {b.wave_bound_us:.0f})", flush=True)
@@ -115,8 +120,15 @@ def _workloads(args):
     ws = oracle.suite(args.models)
     if args.tokens:
         ws = [(m, lay, r, t) for m, lay, r, _ in ws for t in args.tokens]
-        ws = list(dict.fromkeys(ws))
-    return ws
+    if args.layouts:
+        ws = [(m, lay, r, t) for m, _, r, t in ws for lay in args.layouts]
+    return list(dict.fromkeys(ws))
+
+
+def _check_layouts(args, world: int) -> None:
+    """Every --layouts entry must split `world` ranks (ValueError naming it)."""
+    for layout in args.layouts or ():
+        layout_sizes(layout, world)
 
 
 def _write(path, rows):
@@ -137,6 +149,13 @@ def gpu_run(args) -> int:
     if device is None:
         return 2
     world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        _check_layouts(args, world)
+    except ValueError as err:
+        if rank == 0:
+            print(f"oracle.py: error: --layouts: {err}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
     group = dist.group.WORLD if world > 1 else None
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     info = dict(gpu=torch.cuda.get_device_name(device), world=world, git_sha=bench_op.git_sha(),
@@ -198,10 +217,10 @@ def gpu_run(args) -> int:
             rows.append(_row(w, "grid", k, vals[:3], vals[3], **info))
         rows.append(_row(w, "plan", plan.num_comm_ctas, plan_vals[:3], plan_vals[3],
                          k_ranks=ks, num_ctas=plan.num_ctas, k_step=step, source=plan.source,
-                         **info))
+                         layout_name=layout_label(tp, ep), **info))
         if rank == 0:
             s = oracle.summarize(rows[-len(new) - 1:])[0]
-            print(f"{w[0]} {w[1]}{world} {w[2]} {w[3]}: plan k={ks} {s['t_plan_ms']:.3f} ms, "
+            print(f"{w[0]} {layout_label(*layout_sizes(w[1], world))} {w[2]} {w[3]}: plan k={ks} {s['t_plan_ms']:.3f} ms, "
                   f"oracle k={s['k_oracle']} {s['t_oracle_ms']:.3f} ms, regret "
                   f"{100 * s['regret']:.2f} % ({len(grid)} k, step {step}; "
                   f"{time.perf_counter() - start_all:.0f} s so far)", flush=True)
@@ -239,6 +258,10 @@ def main(argv=None) -> int:
                         help="model shapes (configs/models/*.yaml) of the suite")
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=None,
                         help="replace the suite's tokens per rank with these")
+    parser.add_argument("--layouts", nargs="+", default=None,
+                        help="replace the suite's layouts ('ep': EP = world, 'tp': TP = "
+                             "world) with these: 'ep', 'tp' or tpXepY names with TP x EP = "
+                             "world, e.g. tp2ep2 on 4 GPUs")
     parser.add_argument("--k-step", type=non_negative_int, default=0,
                         help="measure every k-th feasible k (0: fit --budget-s)")
     parser.add_argument("--budget-s", type=positive_float, default=200.0,
@@ -256,6 +279,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.k_step < 0 or args.iters < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--k-step >= 0, --iters >= 1, --warmup >= 0, --world >= 1 expected")
+    for layout in args.layouts or ():
+        try:  # the name now; against the world size where it is known (dry run: --world)
+            if args.dry_run:
+                layout_sizes(layout, args.world)
+            elif layout not in ("ep", "tp"):
+                parse_layout(layout)
+        except (ValueError, argparse.ArgumentTypeError) as err:
+            parser.error(f"--layouts: {err}")
     if args.dry_run:
         return dry_run(args)
     return gpu_run(args)

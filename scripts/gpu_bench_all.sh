@@ -26,7 +26,10 @@
 # fits; with less, the later phases are cut (their finished models' rows stay).
 #
 # Knobs (environment): MO_BUDGET_S (default 480: seconds for phases 1-3), MO_MODELS
-# (space-separated), MO_SEQS, MO_LAYER_ITERS (20), MO_PREFILL_ITERS (10), MO_MOE_LAYERS (2).
+# (space-separated), MO_SEQS, MO_LAYER_ITERS (20), MO_PREFILL_ITERS (10), MO_MOE_LAYERS (2),
+# MO_NPROC (2: GPUs used), MO_LAYOUTS (default "ep<N> tp<N>"; tpXepY names with
+# X * Y = MO_NPROC, e.g. MO_NPROC=4 MO_LAYOUTS="tp2ep2 ep4 tp4"): the layer grid runs them
+# all, the prefill one phase each (the phases share what is left of the budget).
 # Exit status: 0 when every phase finished and every variant agreed with flag off, else 1
 # (the report is written either way).
 set -o pipefail
@@ -79,13 +82,24 @@ print("== GPUs:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.devic
 EOF
 
 # shellcheck disable=SC2086  # word splitting of the model and sequence lists is intended
+layouts=${MO_LAYOUTS:-"ep$nproc tp$nproc"}
+prefill_layouts=()
+for name in $layouts; do
+  if [[ ! $name =~ ^(tp([0-9]+))?(ep([0-9]+))?$ || -z $name ]]; then
+    echo "gpu_bench_all.sh: MO_LAYOUTS entry '$name': expected epN, tpN or tpXepY" >&2
+    exit 2
+  fi
+  prefill_layouts+=("--tp ${BASH_REMATCH[2]:-1} --ep ${BASH_REMATCH[4]:-1}")
+done
+# shellcheck disable=SC2086
 run_phase "layer grid" 45 torchrun --standalone --nproc_per_node "$nproc" launch/bench_layer.py \
-  --model $models --seq-lengths $seqs --layouts "ep$nproc" "tp$nproc" \
+  --model $models --seq-lengths $seqs --layouts $layouts \
   --warmup 3 --iters "${MO_LAYER_ITERS:-20}" --out "$out/layer.jsonl"
 
-for layout in "--tp 1 --ep $nproc" "--tp $nproc --ep 1"; do
-  share=50
-  [[ $layout == "--tp $nproc"* ]] && share=100
+left_phases=${#prefill_layouts[@]}
+for layout in "${prefill_layouts[@]}"; do
+  share=$(( 100 / left_phases ))
+  left_phases=$(( left_phases - 1 ))
   # shellcheck disable=SC2086
   run_phase "prefill $layout" "$share" torchrun --standalone --nproc_per_node "$nproc" \
     launch/prefill.py --model $models --num-moe-layers "${MO_MOE_LAYERS:-2}" \

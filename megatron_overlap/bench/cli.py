@@ -69,3 +69,52 @@ def init_cuda_group(script: str, hint: str = ""):
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
     return device
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """(TP, EP) of a layout name: "ep2" -> (1, 2), "tp2" -> (2, 1), "tp2ep2" -> (2, 2),
+    "tp1ep1" -> (1, 1).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (sizes must be >= 1).
+    """
+    import re
+
+    match = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", text)
+    if not text or match is None or not any(match.groups()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected epN, tpN or tpXepY (e.g. ep2, tp2, tp1ep1)")
+    tp, ep = (int(g) if g else 1 for g in match.groups())
+    if tp < 1 or ep < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be >= 1")
+    return tp, ep
+
+
+def layout_sizes(layout: str, world: int) -> tuple[int, int]:
+    """(TP, EP) of an operator-benchmark layout on `world` ranks: "ep" (EP = world), "tp"
+    (TP = world) or an explicit `parse_layout` name whose TP x EP is the world size
+    (e.g. "tp2ep2" on 4 ranks).
+
+    Raises:
+        ValueError: an unknown name, or TP x EP != world.
+    """
+    if layout == "ep":
+        return 1, world
+    if layout == "tp":
+        return world, 1
+    try:
+        tp, ep = parse_layout(layout)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"layout {err}; or 'ep' / 'tp' (the whole world)") from None
+    if tp * ep != world:
+        raise ValueError(f"layout {layout!r}: TP x EP = {tp * ep}, but there are {world} ranks")
+    return tp, ep
+
+
+def layout_label(tp: int, ep: int) -> str:
+    """The name rows carry: "ep2", "tp2", "tp2ep2" ("ep1" for one rank)."""
+    if tp == 1:
+        return f"ep{ep}"
+    if ep == 1:
+        return f"tp{tp}"
+    return f"tp{tp}ep{ep}"

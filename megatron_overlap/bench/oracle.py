@@ -100,6 +100,8 @@ def summarize(rows: Sequence[dict]) -> List[dict]:
         model_best = min(grid, key=lambda r: (r["predicted_ms"], r["k"]))
         out.append(dict(
             model=key[0], layout=key[1], routing=key[2], tokens_per_rank=key[3],
+            # "ep2", "tp2", "tp2ep2": rows before layout_name existed were all world 2
+            layout_name=plan.get("layout_name") or f"{key[1]}{plan.get('world', 2)}",
             num_ctas=plan.get("num_ctas"), k_step=plan.get("k_step"), k_plan=plan["k"],
             k_plan_ranks=plan.get("k_ranks"), k_oracle=k_oracle, t_plan_ms=plan["p50_ms"],
             t_oracle_ms=t_oracle, regret=(plan["p50_ms"] - t_oracle) / t_oracle,
@@ -118,7 +120,7 @@ def table(summary: Sequence[dict]) -> str:
         fixed = "-" if s["t_fixed_ms"] is None else f"{s['t_fixed_ms']:.3f}"
         rf = "-" if s["regret_fixed"] is None else f"{100 * s['regret_fixed']:.2f}"
         lines.append(
-            f"| {s['model']} | {s['layout']}2 | {s['routing']} | {s['tokens_per_rank']} | "
+            f"| {s['model']} | {s['layout_name']} | {s['routing']} | {s['tokens_per_rank']} | "
             f"{s['num_ctas']} | {s['k_step']} | {s['k_plan_ranks']} | {s['k_oracle']} | "
             f"{s['t_plan_ms']:.3f} | {s['t_oracle_ms']:.3f} | {100 * s['regret']:.2f} | "
             f"{fixed} | {rf} | {s['predicted_plan_ms']:.3f} |")
@@ -179,7 +181,7 @@ def plot(rows: Sequence[dict], summary: Sequence[dict], path: str) -> None:
     ax1.set_ylabel("measured ms (p50, slowest rank)")
     ax1.set_title("every k of the grid (dots) and the plan (stars)")
     ax1.legend(fontsize=6, loc="upper left")
-    names = [f"{s['model'][:12]} {s['layout']} {s['routing'][:4]} {s['tokens_per_rank']}"
+    names = [f"{s['model'][:12]} {s['layout_name']} {s['routing'][:4]} {s['tokens_per_rank']}"
              for s in summary]
     xs = range(len(summary))
     ax2.bar([x - 0.2 for x in xs], [100 * s["regret"] for s in summary], width=0.4,

@@ -108,6 +108,31 @@ def _measured(model, k_times, plan_k, plan_t):
     return rows
 
 
+def test_oracle_dry_run_four_ranks_tp_x_ep(tmp_path):
+    """Nothing assumes 2 GPUs: a TP2 x EP2 suite on 4 ranks, labelled so in the table."""
+    out = tmp_path / "oracle.jsonl"
+    assert oracle_launch.main(["--dry-run", "--world", "4", "--out", str(out), "--models",
+                               "qwen3-30b-a3b", "--tokens", "256", "--k-step", "32",
+                               "--layouts", "tp2ep2", "ep"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    plans = [r for r in rows if r["kind"] == "plan"]
+    assert {r["layout_name"] for r in plans} == {"tp2ep2", "ep4"}
+    assert all(len(r["k_ranks"]) == 4 for r in plans)
+
+
+def test_layout_names():
+    from megatron_overlap.bench.cli import layout_label, layout_sizes
+
+    assert layout_sizes("ep", 4) == (1, 4) and layout_sizes("tp", 4) == (4, 1)
+    assert layout_sizes("tp2ep2", 4) == (2, 2) and layout_sizes("ep2", 2) == (1, 2)
+    assert [layout_label(*t) for t in ((1, 4), (4, 1), (2, 2), (1, 1))] == [
+        "ep4", "tp4", "tp2ep2", "ep1"]
+    with pytest.raises(ValueError, match="TP x EP = 2, but there are 4 ranks"):
+        layout_sizes("tp2", 4)
+    with pytest.raises(ValueError, match="'bogus'"):
+        layout_sizes("bogus", 2)
+
+
 def test_regret_summary_table_and_plot(tmp_path):
     rows = (_measured("a", {1: 2.0, 16: 1.2, 64: 1.0, 131: 1.5}, 60, 1.05)
             + _measured("b", {1: 3.0, 16: 2.0, 64: 2.2}, 16, 2.0)
@@ -127,6 +152,8 @@ def test_regret_summary_table_and_plot(tmp_path):
 @pytest.mark.parametrize("script,args,message", [
     ("oracle.py", ["--dry-run", "--tokens", "-5"], "--tokens: '-5': expected an integer >= 1"),
     ("oracle.py", ["--dry-run", "--num-sms", "0"], "--num-sms: '0': expected an integer >= 1"),
+    ("oracle.py", ["--dry-run", "--world", "4", "--layouts", "tp2"],
+     "--layouts: layout 'tp2': TP x EP = 2, but there are 4 ranks"),
     ("calibrate.py", ["--dry-run", "--ffn", "0", "--out", "x.yaml"], "--ffn: '0'"),
     ("calibrate.py", ["--dry-run", "--ctas", "-1", "--out", "x.yaml"], "--ctas: '-1'"),
     ("bench_op.py", ["--iters", "0"], "--iters: '0': expected an integer >= 1"),
