@@ -22,7 +22,6 @@ from megatron_overlap.config import GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
 from megatron_overlap.resource import model as _model
 from megatron_overlap.resource.profile import HardwareProfile, load_profile
-from megatron_overlap.resource.solver import implementation
 
 __all__ = [
     "DEFAULT_KERNEL_RESOURCES",
@@ -215,6 +214,10 @@ def plan_gemm2_gatherrs(
         if override is not None:
             return Plan(num_comm_ctas=override, num_ctas=None, source="override")
         return Plan(num_comm_ctas=DEFAULT_NUM_COMM_CTAS, num_ctas=None, source="cpu")
+
+    # imported here, not at the top: `python -m megatron_overlap.resource.solver` must find
+    # the module not yet imported by its package (runpy warns otherwise)
+    from megatron_overlap.resource.solver import implementation
 
     impl = implementation(solver)
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
