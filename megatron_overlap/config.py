@@ -63,8 +63,8 @@ class GatherRSOptions:
     choose before every launch."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """Bound on every GPU spin-wait, in seconds; on expiry the op raises `RuntimeError`
-    naming the rank, the segment and what it waited for."""
+    """Bound on every GPU spin-wait, in seconds (`TIMEOUT_RANGE_S`: 1e-6 to 1e6); on expiry
+    the op raises `RuntimeError` naming the rank, the segment and what it waited for."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:

@@ -45,7 +45,7 @@ class GatherRSTransformerConfig(TransformerConfig):
     `None`: the resource manager's choice per launch."""
 
     moe_gatherrs_timeout_s: float = DEFAULT_TIMEOUT_S
-    """Bound on every GPU spin-wait of the fused kernels, in seconds."""
+    """Bound on every GPU spin-wait of the fused kernels, in seconds (1e-6 to 1e6)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
