@@ -97,7 +97,8 @@ def dry_run(args) -> int:
                          k_step=max(1, args.k_step), source=plans[0].source,
                          layout_name=layout_label(tp, ep)))
         b = plans[0].breakdown
-        print(f"{w[0]} {layout_label(tp, ep)} {w[2]} {w[3]}: plan k={[p.num_comm_ctas for p in plans]} "
+        ks = [p.num_comm_ctas for p in plans]
+        print(f"{w[0]} {layout_label(tp, ep)} {w[2]} {w[3]}: plan k={ks} "
               f"of G={plans[0].num_ctas}, predicted {max(p.predicted_us for p in plans):.0f} us "
               f"(rank 0: T_r {b.remote_tiles}, T_l {b.local_tiles}, tau {b.tile_us:.1f} us, "
               f"R {b.remote_bound_us:.0f}, W {b.wave_bound_us:.0f})", flush=True)
@@ -220,7 +221,8 @@ def gpu_run(args) -> int:
                          layout_name=layout_label(tp, ep), **info))
         if rank == 0:
             s = oracle.summarize(rows[-len(new) - 1:])[0]
-            print(f"{w[0]} {layout_label(*layout_sizes(w[1], world))} {w[2]} {w[3]}: plan k={ks} {s['t_plan_ms']:.3f} ms, "
+            print(f"{w[0]} {layout_label(tp, ep)} {w[2]} {w[3]}: plan k={ks} "
+                  f"{s['t_plan_ms']:.3f} ms, "
                   f"oracle k={s['k_oracle']} {s['t_oracle_ms']:.3f} ms, regret "
                   f"{100 * s['regret']:.2f} % ({len(grid)} k, step {step}; "
                   f"{time.perf_counter() - start_all:.0f} s so far)", flush=True)
