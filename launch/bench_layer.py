@@ -80,7 +80,7 @@ from prefill import (
     init_process_group,
 )
 
-from megatron_overlap.bench.cli import parse_layout  # noqa: F401 (--layouts type; tests)
+from megatron_overlap.bench.cli import parse_layout
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
