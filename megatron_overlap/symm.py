@@ -2,17 +2,21 @@
 
 One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
 
-* the receive buffer, [2, capacity_rows, H] in the op dtype, in symmetric memory (every rank
-  can store into every other rank's copy). Two halves, used by alternate calls (parity =
-  epoch % 2): a sender writes call i + 2 into a half only after its own finalize of call
-  i + 1, which waited for the receiver's call-(i + 1) arrivals, which the receiver sent only
-  after its finalize of call i had read that half. So no rank overwrites rows a peer is still
-  reading, without any extra barrier.
-* the arrival counters, int64 [R] in symmetric memory: counter s on rank g counts the
-  GEMM2 tiles sender s stored into g's buffer, summed over all calls. They are never reset
-  (so no reset can race a late increment); each rank keeps the running total it expects
-  from every sender (`add_expected_arrivals`), which all ranks compute alike from the
-  exchanged routing counts.
+* the receive buffer, [capacity_rows, H] in the op dtype, in symmetric memory (every rank
+  can store into every other rank's copy), one region reused by every call.
+* the signal counters, int64 [2R] in symmetric memory, never reset (so no reset can race a
+  late increment):
+  - arrivals, [0, R): counter s on rank g counts the GEMM2 tiles sender s stored into g's
+    buffer, summed over all calls. Each rank keeps the running total it expects from every
+    sender (`add_expected_arrivals`), which all ranks compute alike from the exchanged
+    routing counts;
+  - finalize counts, [R, 2R): counter R + g on rank s counts the calls whose finalize rank
+    g has finished (its last finalize CTA adds 1 on every other rank). Before sender s
+    stores call i's rows into g's buffer it waits until that count reaches i - 1, i.e. g
+    has read call i - 1's rows: no rank overwrites rows a peer is still reading. The wait
+    almost never waits: between two calls lies the rest of the layer (or model).
+* this rank's count of finished finalize CTAs (int64, local), which tells a finalize CTA
+  that it is its call's last.
 * the local (non-symmetric) error record the kernels write on a timeout, and its pinned
   host copy, read asynchronously (`record_error_check`, `check_errors`).
 
@@ -75,6 +79,8 @@ class GatherRSWorkspace:
         self.capacity_rows = 0
         self.compiled: set = set()  # kernel specialisations already warmed up
         self.error = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.finalize_done = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.finalize_ctas = 0  # finalize CTAs launched on this workspace so far
         pinned = self.device.type == "cuda"
         self._error_host = torch.zeros(4, dtype=torch.int64, pin_memory=pinned)
         self._error_event = None
@@ -83,25 +89,25 @@ class GatherRSWorkspace:
         self._recv_handle = None
         self.peer_recv_ptrs: Optional[torch.Tensor] = None
         if group is None:
-            self.signals = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.signals = torch.zeros(2, dtype=torch.int64, device=self.device)
             self._sig_handle = None
             self.peer_signal_ptrs = torch.tensor([self.signals.data_ptr()], dtype=torch.int64,
                                                  device=self.device)
         else:
             self.signals, self._sig_handle, self.peer_signal_ptrs = _symmetric_tensor(
-                (self.num_ranks,), torch.int64, self.device, group
+                (2 * self.num_ranks,), torch.int64, self.device, group
             )
         self._fixed_capacity = False
         self._destroyed = False
 
     @property
     def recv(self) -> torch.Tensor:
-        """[2 * capacity_rows, H] receive buffer of this rank (both halves)."""
+        """[capacity_rows, H] receive buffer of this rank."""
         self._check_alive()
         return self._recv
 
     def ensure_capacity(self, rows: int) -> None:
-        """Grow the receive buffer to hold `rows` rows per half (collective when it grows).
+        """Grow the receive buffer to hold `rows` rows (collective when it grows).
 
         Every rank must call this with the same `rows` (the maximum over ranks of
         `recv_rows_per_rank`, which all ranks compute alike). Grows to 1/8 more than asked,
@@ -111,10 +117,10 @@ class GatherRSWorkspace:
         if rows <= self.capacity_rows and self._recv is not None:
             return
         if self._fixed_capacity:
-            raise ValueError(f"this workspace holds {self.capacity_rows} rows per half, the call "
-                             f"needs {rows}")
+            raise ValueError(f"this workspace holds {self.capacity_rows} rows, the call needs "
+                             f"{rows}")
         new_rows = max(rows + rows // 8, 1)  # 1/8 headroom: growth (a collective) is rare
-        shape = (2 * new_rows, self.hidden)
+        shape = (new_rows, self.hidden)
         if self.group is None:
             self._recv = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.peer_recv_ptrs = torch.tensor([self._recv.data_ptr()], dtype=torch.int64,
@@ -140,6 +146,13 @@ class GatherRSWorkspace:
         self.expected_arrivals = self.expected_arrivals + np.asarray(arrivals, dtype=np.int64)
         return self.expected_arrivals
 
+    def add_finalize_ctas(self, num_ctas: int) -> int:
+        """Count one finalize launch of `num_ctas` CTAs; returns the running total (the value
+        `finalize_done` reaches when that launch's last CTA is done)."""
+        self._check_alive()
+        self.finalize_ctas += int(num_ctas)
+        return self.finalize_ctas
+
     def record_error_check(self) -> None:
         """Queue an asynchronous copy of the error record (after the kernels just launched on
         the current stream); `check_errors` reads it."""
@@ -159,9 +172,11 @@ class GatherRSWorkspace:
                 if it has completed (no host sync).
 
         Raises:
-            RuntimeError: names this rank, the sender waited for, the arrival count seen and
-                the count expected. The workspace is unusable afterwards (counters are out
-                of step across ranks).
+            RuntimeError: names this rank, the rank waited for, the count seen and the count
+                expected: a finalize that waited for a sender's arrivals, or a GEMM2
+                producer that waited for a destination's finalize count (its receive buffer
+                still in use). The workspace is unusable afterwards (counters are out of
+                step across ranks).
         """
         if self._destroyed:
             return
@@ -180,11 +195,19 @@ class GatherRSWorkspace:
             return
         self.error.zero_()
         self._error_host.zero_()
+        from megatron_overlap.kernels.gemm2_gatherrs import ERR_PRODUCER_WAIT
+
+        if code == ERR_PRODUCER_WAIT:
+            what = (f"the GEMM2 producer timed out waiting for rank {sender} to free its "
+                    f"receive buffer: its finalize count {seen}, expected >= {expected} (its "
+                    "finalize of the previous call has not run)")
+        else:
+            what = (f"finalize timed out waiting for sender rank {sender}: arrival counter "
+                    f"{seen}, expected >= {expected}")
         raise RuntimeError(
-            f"gemm2_gatherrs (Triton) on tp_ep rank {self.rank}: finalize timed out waiting "
-            f"for sender rank {sender}: arrival counter {seen}, expected >= {expected} (error "
-            f"code {code}; epoch {self.epoch}). The workspace is unusable now; counters are "
-            "out of step across ranks."
+            f"gemm2_gatherrs (Triton) on tp_ep rank {self.rank}: {what} (error code {code}; "
+            f"epoch {self.epoch}). The workspace is unusable now; counters are out of step "
+            "across ranks."
         )
 
     def destroy(self) -> None:
@@ -226,9 +249,9 @@ def local_workspaces(num_ranks: int, *, hidden: int, dtype: torch.dtype, device,
               for _ in range(num_ranks)]
     for rank, ws in enumerate(spaces):
         ws.num_ranks, ws.rank = num_ranks, rank
-        ws.signals = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+        ws.signals = torch.zeros(2 * num_ranks, dtype=torch.int64, device=device)
         ws.expected_arrivals = np.zeros(num_ranks, dtype=np.int64)
-        ws._recv = torch.zeros(2 * capacity_rows, hidden, dtype=dtype, device=device)
+        ws._recv = torch.zeros(capacity_rows, hidden, dtype=dtype, device=device)
         ws.capacity_rows, ws._fixed_capacity = capacity_rows, True
     recv_ptrs = torch.tensor([ws._recv.data_ptr() for ws in spaces], dtype=torch.int64,
                              device=device)

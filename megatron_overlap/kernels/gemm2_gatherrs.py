@@ -20,6 +20,9 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   another destination or runs out of work, adds that count to its arrival counter at the
   destination (release, system scope), after a CTA barrier (every thread's peer stores are
   issued before the count). One system-scope atomic per CTA and destination per call.
+  Before its first tile for a remote destination a CTA waits (acquire, system scope) until
+  that destination's finalize count (on this rank) shows the previous call's rows read: one
+  receive buffer serves every call (`megatron_overlap.symm`).
 * `_finalize_kernel`: waits until every other rank's arrival counter reaches this call's
   target (acquire, system scope; targets are cumulative over calls, counters are never
   reset), then sums each token's rows (its top-k experts' outputs, times TP partials) in a
@@ -27,7 +30,8 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   each token come from `_index_kernel` (row = base[tp, e] + rank of the token among expert
   e's tokens, from the routing map's per-block token counts (`_block_count_kernel`) and an
   in-block prefix sum), which needs only the routing map and so runs when the call is
-  prepared (while FC1 runs).
+  prepared (while FC1 runs). Its last CTA adds 1 to this rank's finalize count on every
+  other rank (release, system scope): the buffer is free for the next call.
 
 No pre-reduction happens before the rows travel: every (token, expert) row is stored once,
 where it is summed (the design brief's gather-then-send needs y written, re-read and
@@ -35,9 +39,12 @@ written again; measured in docs/perf_notes.md, v3). This trades NVLink bytes (up
 min(top-k, L) times more) for HBM bytes and a whole pass.
 
 Every spin-wait is bounded by `timeout_ns` (GPU global timer; a poll count in the
-interpreter). On expiry the finalize writes a record into its error buffer and stops
-waiting; the launcher raises. Error record (int64[4]): code, sender rank, value seen, value
-expected. Codes: 2 arrivals missing.
+interpreter). On expiry the kernel writes a record into the error buffer (the first one of
+a call wins) and stops waiting: the finalize skips its sum, the producer stores and signals
+nothing more for that destination (its rows may still be read there); the launcher raises.
+Error record (int64[4]): code, the rank waited for, value seen, value expected. Codes:
+1 the destination's buffer never became free (`ERR_PRODUCER_WAIT`), 2 arrivals missing
+(`ERR_FINALIZE_WAIT`).
 """
 
 from __future__ import annotations
@@ -45,18 +52,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+ERR_PRODUCER_WAIT = 1
 ERR_FINALIZE_WAIT = 2
 
+_ERR_PRODUCER_WAIT = tl.constexpr(ERR_PRODUCER_WAIT)
 _ERR_FINALIZE_WAIT = tl.constexpr(ERR_FINALIZE_WAIT)
 
 TILE_FIELDS = 6
 """int32 fields of one tile entry: local expert, first row, end row (in h), first column,
-destination group rank, first row in the destination's receive half."""
+destination group rank, first row in the destination's receive buffer."""
 
 SEGMENT_FIELDS = 6
 """int32 fields of one segment (the rows of one local expert for one destination): local
 expert, first row in h, rows, destination group rank, first row in the destination's
-receive half, first tile (exclusive prefix of the segments' tiles in list order)."""
+receive buffer, first tile (exclusive prefix of the segments' tiles in list order)."""
 
 
 @triton.jit
@@ -90,6 +99,17 @@ def _wait_at_least(ptr, target, timeout_ns, SCOPE: tl.constexpr, USE_TIMER: tl.c
 
 
 @triton.jit
+def _record_error(err_ptr, code, rank, seen, expected):
+    """Write the error record (code, the rank waited for, value seen, value expected) unless
+    an earlier error holds it: the first error of a call is the one reported."""
+    zero = tl.zeros((), tl.int64)
+    if tl.atomic_cas(err_ptr, zero, zero + code) == 0:
+        tl.store(err_ptr + 1, zero + rank)
+        tl.store(err_ptr + 2, zero + seen)
+        tl.store(err_ptr + 3, zero + expected)
+
+
+@triton.jit
 def _signal(peer_sig_ptrs, dest, my_rank, count):
     """Add `count` arrivals from this rank to `dest`'s counter (after every thread's stores)."""
     tl.debug_barrier()
@@ -98,10 +118,10 @@ def _signal(peer_sig_ptrs, dest, my_rank, count):
 
 
 @triton.jit
-def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, row_base, F, H,
+def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, F, H,
           stride_h, stride_wl, stride_wn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr):
-    """One GEMM2 tile, stored at its destination; returns the destination rank.
+    """One GEMM2 tile, stored at its destination `dest` (unless `store_ok` is 0).
 
     With TMA the A block may run past r1 into the next expert's rows and the B block past H
     into the next expert's weight: those rows / columns of the result are never stored.
@@ -110,7 +130,6 @@ def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, row_base, F, 
     r0 = tl.load(tile_ptr + 1)
     r1 = tl.load(tile_ptr + 2)
     n0 = tl.load(tile_ptr + 3)
-    dest = tl.load(tile_ptr + 4)
     dest_row = tl.load(tile_ptr + 5)
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BN)
@@ -133,28 +152,68 @@ def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, row_base, F, 
             a_ptrs += BK
             b_ptrs += BK
     dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(h_ptr.dtype.element_ty))
-    out_rows = (row_base + dest_row + rows).to(tl.int64)
+    out_rows = (dest_row + rows).to(tl.int64)
+    r_end = tl.where(store_ok != 0, r1, r0)  # no row stored unless store_ok
     tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(h_ptr.dtype.element_ty),
-             mask=(r0 + rows[:, None] < r1) & (cols[None, :] < H))
-    return dest
+             mask=(r0 + rows[:, None] < r_end) & (cols[None, :] < H))
+
+
+@triton.jit
+def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
+              my_rank, num_ranks, freed_target, timeout_ns, err_ptr, pend_dest, pend,
+              free_dest, free_ok, F, H, stride_h, stride_wl, stride_wn,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
+              USE_TIMER: tl.constexpr):
+    """One tile of a CTA's loop, with the CTA's signal state; returns the new state.
+
+    State: `pend` remote tiles stored for `pend_dest` and not yet signalled (signalled when
+    the CTA moves on to another destination, or at its end); `free_dest`, the last remote
+    destination whose receive buffer this CTA found free (its finalize count, at
+    sig[num_ranks + dest], reached `freed_target`), and `free_ok` (0: the wait timed out;
+    that destination's tiles are neither stored nor signalled, and the error is recorded).
+    """
+    dest = tl.load(tile_ptr + 4)
+    remote = dest != my_rank
+    if remote:
+        if dest != free_dest:
+            seen = _wait_at_least(sig_ptr + num_ranks + dest, freed_target, timeout_ns, "sys",
+                                  USE_TIMER)
+            free_ok = (seen >= freed_target).to(tl.int32)
+            if free_ok == 0:
+                _record_error(err_ptr, _ERR_PRODUCER_WAIT, dest, seen, freed_target)
+            free_dest = dest
+    store_ok = tl.where(remote, free_ok, 1)
+    _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, F, H,
+          stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA)
+    if remote & (store_ok != 0):
+        if dest != pend_dest:
+            if pend > 0:
+                _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
+            pend_dest = dest
+            pend = 0
+        pend += 1
+    return pend_dest, pend, free_dest, free_ok
 
 
 # Sizes that change every call are not specialised on (one compiled variant per model
 # shape); the strides, F and H are (16-divisibility makes the loads vectorise and the K loop
 # software-pipeline).
-@triton.jit(do_not_specialize=["num_remote", "num_local", "my_rank", "row_base", "num_comm",
-                               "N"])
+@triton.jit(do_not_specialize=["num_remote", "num_local", "my_rank", "num_ranks", "num_comm",
+                               "N", "freed_target", "timeout_ns"])
 def _gemm_scatter_kernel(
     h_ptr, w2_ptr, tiles_ptr, num_remote, num_local, counters_ptr, peer_recv_ptrs,
-    peer_sig_ptrs, my_rank, row_base, num_comm, N, F, H, L, stride_h, stride_wl, stride_wn,
+    peer_sig_ptrs, sig_ptr, my_rank, num_ranks, num_comm, freed_target, timeout_ns, err_ptr,
+    N, F, H, L, stride_h, stride_wl, stride_wn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-    STATIC: tl.constexpr,
+    STATIC: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
     """Run this CTA's share of the GEMM2 tiles; see the module docstring.
 
     tiles: int32 [num_remote + num_local, TILE_FIELDS]. STATIC: one list in wave order
     (CTA p takes p, p + G, ...). Dynamic: the remote-bound tiles, then the local ones, each
-    claimed through its counter (counters int32 [2], zero before the launch).
+    claimed through its counter (counters int32 [2], zero before the launch). sig: this
+    rank's int64 [2 * num_ranks] counters (arrivals, then every rank's finalize count);
+    a remote destination's tiles are stored once its finalize count reached freed_target.
     """
     a_desc = None
     b_desc = None
@@ -167,17 +226,15 @@ def _gemm_scatter_kernel(
     grid = tl.num_programs(0)
     pend_dest = my_rank  # remote tiles stored but not yet signalled: destination, count
     pend = 0
+    free_dest = my_rank  # the last remote destination found free, and whether it was
+    free_ok = 1
     if STATIC:
         for t in range(pid, num_remote + num_local, grid):
-            dest = _tile(h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + t * 6, peer_recv_ptrs,
-                         row_base, F, H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA)
-            if dest != my_rank:
-                if dest != pend_dest:
-                    if pend > 0:
-                        _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
-                    pend_dest = dest
-                    pend = 0
-                pend += 1
+            pend_dest, pend, free_dest, free_ok = _run_tile(
+                h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + t * 6, peer_recv_ptrs,
+                peer_sig_ptrs, sig_ptr, my_rank, num_ranks, freed_target, timeout_ns, err_ptr,
+                pend_dest, pend, free_dest, free_ok, F, H, stride_h, stride_wl, stride_wn,
+                BM, BN, BK, USE_TMA, USE_TIMER)
     else:
         for phase in range(2):
             take_remote = (pid < num_comm) == (phase == 0)
@@ -188,16 +245,11 @@ def _gemm_scatter_kernel(
             while t < count:
                 # Claim the next tile now: the atomic's latency hides behind this tile.
                 t_next = tl.atomic_add(claim, 1, sem="relaxed", scope="gpu")
-                dest = _tile(h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + (first + t) * 6,
-                             peer_recv_ptrs, row_base, F, H, stride_h, stride_wl, stride_wn,
-                             BM, BN, BK, USE_TMA)
-                if dest != my_rank:
-                    if dest != pend_dest:
-                        if pend > 0:
-                            _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
-                        pend_dest = dest
-                        pend = 0
-                    pend += 1
+                pend_dest, pend, free_dest, free_ok = _run_tile(
+                    h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + (first + t) * 6,
+                    peer_recv_ptrs, peer_sig_ptrs, sig_ptr, my_rank, num_ranks, freed_target,
+                    timeout_ns, err_ptr, pend_dest, pend, free_dest, free_ok, F, H, stride_h,
+                    stride_wl, stride_wn, BM, BN, BK, USE_TMA, USE_TIMER)
                 t = t_next
     if pend > 0:
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
@@ -316,17 +368,22 @@ def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_exp
         prev = tl.where(found, e_j, EP2)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_ranks", "my_rank", "row_base",
-                               "timeout_ns"])
+@triton.jit(do_not_specialize=["num_tokens", "num_ranks", "my_rank", "timeout_ns",
+                               "last_done"])
 def _finalize_kernel(
-    recv_ptr, index_ptr, out_ptr, sig_ptr, targets_ptr, num_tokens, H, num_ranks, my_rank,
-    row_base, timeout_ns, err_ptr, C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-    USE_TIMER: tl.constexpr,
+    recv_ptr, index_ptr, out_ptr, sig_ptr, peer_sig_ptrs, targets_ptr, done_ptr, last_done,
+    num_tokens, H, num_ranks, my_rank, timeout_ns, err_ptr, C: tl.constexpr, BT: tl.constexpr,
+    BH: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
-    """out[t] = sum over c < C of recv[row_base + index[t, c]] (fp32 sum, fixed order).
+    """out[t] = sum over c < C of recv[index[t, c]] (fp32 sum, fixed order), then "receive
+    buffer free" to every other rank.
 
     index: int32 [T, C] (`_index_kernel`; -1: none); targets: int64 [R], the arrival count
-    each other rank must have reached first.
+    each other rank must have reached first (sig[s], s < num_ranks). done: this rank's int64
+    counter of finished finalize CTAs, over all calls; the CTA that brings it to
+    last_done + 1 is the call's last: it adds 1 to this rank's finalize count on every
+    other rank (sig[num_ranks + my_rank] there; release, system scope), after which the
+    senders may store the next call's rows.
     """
     num_bad = 0
     for s in range(num_ranks):
@@ -335,10 +392,7 @@ def _finalize_kernel(
             seen = _wait_at_least(sig_ptr + s, target, timeout_ns, "sys", USE_TIMER)
             if seen < target:
                 if num_bad == 0:  # the first missing sender is the one reported
-                    tl.store(err_ptr + 0, tl.full((), _ERR_FINALIZE_WAIT, tl.int64))
-                    tl.store(err_ptr + 1, s)
-                    tl.store(err_ptr + 2, seen)
-                    tl.store(err_ptr + 3, target)
+                    _record_error(err_ptr, _ERR_FINALIZE_WAIT, s, seen, target)
                 num_bad += 1
     if num_bad == 0:
         tokens = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -348,8 +402,16 @@ def _finalize_kernel(
         acc = tl.zeros((BT, BH), dtype=tl.float32)
         for c in tl.static_range(C):
             rows = tl.load(index_ptr + tokens.to(tl.int64) * C + c, mask=t_ok, other=-1)
-            v = tl.load(recv_ptr + (row_base + rows[:, None]).to(tl.int64) * H + cols[None, :],
+            v = tl.load(recv_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
                         mask=(rows[:, None] >= 0) & c_ok[None, :], other=0.0)
             acc += v.to(tl.float32)
         tl.store(out_ptr + tokens[:, None].to(tl.int64) * H + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
+    # Every thread's loads of the receive buffer have returned before the count (the loaded
+    # values were stored above); acq_rel orders them before the last CTA's signal.
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == last_done:
+        for g in range(num_ranks):
+            if g != my_rank:
+                peer = tl.load(peer_sig_ptrs + g).to(tl.pointer_type(tl.int64))
+                tl.atomic_add(peer + num_ranks + my_rank, 1, sem="release", scope="sys")

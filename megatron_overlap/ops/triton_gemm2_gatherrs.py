@@ -3,7 +3,7 @@
 Shape symbols as in `megatron_overlap.metadata`; BM x BN is the GEMM2 output tile.
 
 Row layout ("direct"): every (token, expert) row is summed where its token lives. The
-receive half of rank g holds, for every sender s of the tp_ep group in group order, a
+receive buffer of rank g holds, for every sender s of the tp_ep group in group order, a
 block of `pairs(g, ep(s))` rows: g's routed (token, expert) pairs with an expert on s's EP
 rank, in g's permute order (expert-major, token ascending) -- the order in which s's rows of
 source chunk g already are. So sender s stores rows [r0, r1) of (expert l, chunk of g) at
@@ -100,14 +100,14 @@ class DirectLayout:
     segments: int32 [S, k.SEGMENT_FIELDS]: one per (destination, local expert) in list
         order: destinations in `destination_order` (remote ones first, this rank last),
         local experts ascending; fields: local expert, first row in h, rows, destination
-        group rank, first row in the destination's half, first tile (exclusive prefix of
+        group rank, first row in the destination's buffer, first tile (exclusive prefix of
         ceil(rows / bm) * col_blocks over the list).
     num_remote, num_local: tiles bound for other ranks / for this rank.
     col_blocks: ceil(hidden / bn); bm, bn: the tile shape.
     arrivals: int64 [R]: tiles each rank stores into this rank's buffer this call (0 for
         this rank itself: its own tiles are ordered by the stream).
     recv_rows: int64 [R]: rows each rank receives this call (TP x its routed pairs).
-    finalize_base: int32 [TP, E]: the receive-half row of token t's expert-e output from TP
+    finalize_base: int32 [TP, E]: the receive-buffer row of token t's expert-e output from TP
         rank tp of EP rank e // L is finalize_base[tp, e] + cum[t, e], cum the inclusive
         prefix sum of the routing map over tokens (`contribution_rows`).
     num_pairs: this rank's routed (token, expert) pairs.
@@ -181,7 +181,7 @@ def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> Dire
     pairs_to_ep = routed.reshape(group_size, ep, num_local).sum(axis=2)  # [R(g), EP(j)]
     ep_of_sender = np.arange(group_size) // tp
     block = pairs_to_ep[:, ep_of_sender]  # [R(g), R(s)]: rows s sends to g
-    offsets = np.cumsum(block, axis=1) - block  # [R(g), R(s)]: s's block in g's half
+    offsets = np.cumsum(block, axis=1) - block  # [R(g), R(s)]: s's block in g's buffer
     recv_rows = block.sum(axis=1)
 
     # This rank's segments: for chunk c (destination d) and local expert l, rows[l, c].
@@ -248,7 +248,7 @@ def wave_order(num_remote: int, num_local: int, grid: int, num_comm: int) -> np.
 
 
 def contribution_rows(meta: GatherRSMetadata, layout: DirectLayout) -> torch.Tensor:
-    """int64 [T, E, TP]: the receive-half row holding token t's expert-e output from TP rank
+    """int64 [T, E, TP]: the receive-buffer row holding token t's expert-e output from TP rank
     tp, -1 where t is not routed to e; `_index_kernel` compacts it to [T, top-k * TP] (a
     torch twin for tests and debugging).
 
@@ -351,7 +351,9 @@ class _Call:
                 table = lay.segments
         ws.ensure_capacity(int(lay.recv_rows.max(initial=0)))
         self.epoch = ws.next_epoch()
-        self.row_base = (self.epoch % 2) * ws.capacity_rows
+        # A remote destination's buffer is free for this call once its finalize of every
+        # earlier call on the workspace has run.
+        self.freed_target = self.epoch - 1
         targets = ws.add_expected_arrivals(lay.arrivals)
         with span("mo.h2d"):
             # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, and
@@ -444,21 +446,30 @@ class _Call:
             raise RuntimeError("gemm_only needs a call that was run")
         tiles = self.tiles.clone()
         tiles[:, 4] = self.rank
+        # Into a scratch copy of this rank's buffer: peers may already store the next call's
+        # rows into the real one (they wait only for this rank's finalize).
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = torch.empty_like(self.ws.recv)
+            self._scratch_ptrs = torch.full((self.meta.group_size,), self._scratch.data_ptr(),
+                                            dtype=torch.int64, device=self.device)
         self._launch(tiles, grid or self.grid, num_remote=0,
-                     num_local=self.num_remote + self.num_local)
+                     num_local=self.num_remote + self.num_local, recv_ptrs=self._scratch_ptrs)
 
-    def _launch(self, tiles, grid: int, num_remote: int, num_local: int) -> None:
+    def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
+                recv_ptrs: Optional[torch.Tensor] = None) -> None:
         ws, h, w2, t = self.ws, self.h, self.w2, self.tile
         if self.gpu:
             _ensure_allocator()
         if not t.static:
             self.counters.zero_()
         handle = k._gemm_scatter_kernel[(grid,)](
-            h, w2, tiles, num_remote, num_local, self.counters, ws.peer_recv_ptrs,
-            ws.peer_signal_ptrs, self.rank, self.row_base, self.num_comm, max(1, h.shape[0]),
-            h.shape[1], self.hidden, w2.shape[0], h.stride(0), w2.stride(0), w2.stride(1),
-            BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            h, w2, tiles, num_remote, num_local, self.counters,
+            ws.peer_recv_ptrs if recv_ptrs is None else recv_ptrs, ws.peer_signal_ptrs,
+            ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
+            ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
+            w2.stride(0), w2.stride(1), BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma,
+            STATIC=t.static, USE_TIMER=self.gpu, num_warps=t.num_warps,
+            num_stages=t.num_stages,
         )
         if self.gpu:
             _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
@@ -468,10 +479,12 @@ class _Call:
         ws, meta = self.ws, self.meta
         bt, bh = FINALIZE_BLOCK if self.gpu else (8, 16)
         grid = (max(1, -(-meta.num_tokens // bt)), -(-self.hidden // bh))
+        last_done = ws.add_finalize_ctas(grid[0] * grid[1]) - 1
         k._finalize_kernel[grid](
-            ws.recv, self.index, self.out, ws.signals, self.targets, meta.num_tokens,
-            self.hidden, meta.group_size, self.rank, self.row_base, self.timeout, ws.error,
-            C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=4,
+            ws.recv, self.index, self.out, ws.signals, ws.peer_signal_ptrs, self.targets,
+            ws.finalize_done, last_done, meta.num_tokens, self.hidden, ws.num_ranks, self.rank,
+            self.timeout, ws.error, C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu,
+            num_warps=4,
         )
 
     def finish(self, sync_errors: bool = False) -> torch.Tensor:

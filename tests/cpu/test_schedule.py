@@ -37,7 +37,7 @@ def test_tiles_land_where_the_finalize_reads(tp, ep, routing):
         lay = direct_layout(rows.meta, hidden, bm, bn)
         layouts.append(lay)
         all_rows.append(rows)
-    # Simulated receive halves: (sender, source token, global expert) of every stored row.
+    # Simulated receive buffers: (sender, source token, global expert) of every stored row.
     recv = [dict() for _ in range(r)]
     for s, (lay, rows) in enumerate(zip(layouts, all_rows)):
         meta = rows.meta

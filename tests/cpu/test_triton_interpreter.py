@@ -4,8 +4,8 @@ One process plays every rank of a TP x EP layout: each rank's "peer" buffers are
 ranks' workspaces (`symm.local_workspaces`). All ranks send (the GEMM2 + scatter kernel;
 one program, or several with the static wave-ordered list or dynamic claims), then all
 finalize; outputs are checked against the dense formula, over several calls on the same
-workspaces with new routing, sizes and data each call (both receive-buffer halves, growing
-epochs). Concurrency and memory ordering are not exercised here (the interpreter runs one
+workspaces with new routing, sizes and data each call (one receive buffer reused, growing
+epochs, every rank's finalize count checked on every other rank). Concurrency and memory ordering are not exercised here (the interpreter runs one
 program at a time): the GPU tests cover them.
 
 Runs in a subprocess because the interpreter must be chosen before the kernels are defined.
@@ -116,6 +116,7 @@ def _tile_list_mismatch():
 
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
+    import torch
 
     from megatron_overlap.ops.triton_gemm2_gatherrs import INTERPRETER_TILE, _Call
     from megatron_overlap.resource import Plan
@@ -148,6 +149,10 @@ def _simulate() -> dict:
         for g, out in enumerate(outs):
             key = f"{case} rank {g}"
             report[key] = describe_mismatch(out, dense_output(case, g), rel_tol=1e-5)
+            # Rank g's finalize count on every other rank: one per call so far.
+            counts = [int(ws[s].signals[r + g]) for s in range(r) if s != g]
+            if report[key] is None and counts != [calls[g].epoch] * (r - 1):
+                report[key] = f"finalize counts of rank {g}: {counts}, want {calls[g].epoch}"
     report["index"] = _index_mismatch()
     report["tile_list"] = _tile_list_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
@@ -163,6 +168,28 @@ def _simulate() -> dict:
         report["timeout"] = "no error raised"
     except RuntimeError as err:
         report["timeout"] = str(err)
+    # A receive buffer still in use: rank 1 sends call 1 but never finalizes it, so rank 0's
+    # producer must time out before storing call 2's rows into rank 1's buffer.
+    ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
+                          capacity_rows=256)
+    calls = [_Call(m, ws[g], plan, hidden=w.shape[1], dtype=x.dtype, device=x.device,
+                   timeout_s=0.02) for g, (x, w, m) in enumerate(rank_operands(case, g)
+                                                                for g in range(2))]
+    for g, (x, w, _) in enumerate(rank_operands(case, g) for g in range(2)):
+        calls[g].send(x, w)
+    calls[0].finish()
+    h, w2, meta = rank_operands(case, 0)
+    call = _Call(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
+                 timeout_s=0.02)
+    call.send(h, w2)
+    stored = ws[1].recv.clone()
+    try:
+        call.finish()
+        report["producer_timeout"] = "no error raised"
+    except RuntimeError as err:
+        report["producer_timeout"] = str(err)
+    if not torch.equal(stored, ws[1].recv):
+        report["producer_timeout"] += " (and rank 1's buffer was overwritten)"
     return report
 
 
@@ -180,6 +207,10 @@ def test_kernels_in_interpreter():
     assert report.pop("tile_list") is None
     assert "finalize timed out waiting for sender rank 1" in timeout_msg, timeout_msg
     assert "tp_ep rank 0" in timeout_msg, timeout_msg
+    producer_msg = report.pop("producer_timeout")
+    assert producer_msg.startswith(
+        "gemm2_gatherrs (Triton) on tp_ep rank 0: the GEMM2 producer timed out waiting for "
+        "rank 1 to free its receive buffer: its finalize count 0, expected >= 1"), producer_msg
     bad = {k: v for k, v in report.items() if v is not None}
     assert not bad, bad
     assert len(report) == sum(c.tp * c.ep for c in _cases())

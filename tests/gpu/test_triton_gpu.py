@@ -119,8 +119,9 @@ def test_triton_matches_reference(world):
 
 
 def _timeout_worker(rank: int, world: int) -> list:
-    """Rank 1 skips a call: rank 0's finalize must time out, the record must name the rank
-    and the sender, both when checked at once and when the next call finds it."""
+    """Rank 1 skips the calls: rank 0's first finalize must time out waiting for rank 1's
+    arrivals (checked at once); its next producer must time out waiting for rank 1 to free
+    its receive buffer (found by the call after). Each record names both ranks."""
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.ops import gemm2_gatherrs
     from megatron_overlap.symm import destroy_workspaces, get_workspace
@@ -161,7 +162,9 @@ def test_timeout_names_rank_and_sender():
     assert len(messages) == 2, messages
     for message in messages:
         assert "tp_ep rank 0" in message, message
-        assert "waiting for sender rank 1" in message, message
+    assert "finalize timed out waiting for sender rank 1" in messages[0], messages[0]
+    assert "producer timed out waiting for rank 1 to free its receive buffer" in messages[1], \
+        messages[1]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
