@@ -23,7 +23,7 @@ TIMEOUT_RANGE_S = (1e-6, 1e6)
 
 TILE_LIST_ENV = "MEGATRON_OVERLAP_TILE_LIST"
 """Where the Triton path builds the GEMM2 kernel's tile list: "device" (default: the host
-sends one entry per destination and local expert, `_tile_list_kernel` expands them) or
+sends one entry per destination and local expert, `_tile_list_block` expands them) or
 "host" (numpy `expand_tiles` + `wave_order`, the whole list copied; the twin, for
 comparison and debugging)."""
 

@@ -28,7 +28,7 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   reset), then sums each token's rows (its top-k experts' outputs, times TP partials) in a
   fixed order (expert ascending, then TP rank) into the output: deterministic. The rows of
   each token come from `_index_kernel` (row = base[tp, e] + rank of the token among expert
-  e's tokens, from the routing map's per-block token counts (`_block_count_kernel`) and an
+  e's tokens, from the routing map's per-block token counts (`_block_count_block`) and an
   in-block prefix sum), which needs only the routing map and so runs when the call is
   prepared (while FC1 runs). Its last CTA adds 1 to this rank's finalize count on every
   other rank (release, system scope): the buffer is free for the next call.
@@ -259,12 +259,12 @@ def _gemm_scatter_kernel(
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
 
 
-@triton.jit(do_not_specialize=["num_segments", "num_remote", "num_local", "grid",
-                               "num_comm", "col_blocks", "search_steps"])
-def _tile_list_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, grid,
-                      num_comm, col_blocks, search_steps, BM: tl.constexpr, BN: tl.constexpr,
-                      WAVES: tl.constexpr, BLOCK: tl.constexpr):
-    """Expand segments into the tile list `_gemm_scatter_kernel` reads.
+@triton.jit
+def _tile_list_block(b, seg_ptr, tiles_ptr, num_segments, num_remote, num_local, grid,
+                     num_comm, col_blocks, search_steps, BM: tl.constexpr, BN: tl.constexpr,
+                     WAVES: tl.constexpr, BLOCK: tl.constexpr):
+    """Expand segments into the tile list `_gemm_scatter_kernel` reads: entries
+    [b * BLOCK, (b + 1) * BLOCK).
 
     seg: int32 [S, SEGMENT_FIELDS], remote segments first (their tiles are the first
     num_remote); tiles: int32 [num_remote + num_local, TILE_FIELDS]. Tile i belongs to the
@@ -275,7 +275,7 @@ def _tile_list_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, g
     the merged positions, 0 < num_comm < grid; int32, so the launcher keeps
     (num_remote + num_local) * grid < 2^31), else in list order.
     """
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = b * BLOCK + tl.arange(0, BLOCK)
     ok = i < num_remote + num_local
     lo = tl.zeros((BLOCK,), tl.int32)
     hi = tl.zeros((BLOCK,), tl.int32) + num_segments
@@ -311,9 +311,9 @@ def _tile_list_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, g
     tl.store(out + 5, dest_row0 + blk * BM, mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
-def _block_count_kernel(rmap_ptr, counts_ptr, num_tokens, num_experts, EP2: tl.constexpr,
-                        BT: tl.constexpr):
+@triton.jit
+def _block_count_block(b, rmap_ptr, counts_ptr, num_tokens, num_experts, EP2: tl.constexpr,
+                       BT: tl.constexpr):
     """counts[b, e] = tokens t in [b * BT, (b + 1) * BT) routed to expert e.
 
     rmap: uint8 [T, E] routing map; counts: int32 [ceil(T / BT), E]. The first half of the
@@ -321,7 +321,6 @@ def _block_count_kernel(rmap_ptr, counts_ptr, num_tokens, num_experts, EP2: tl.c
     one torch.cumsum over [T, E] runs one thread per expert down all T tokens (0.72 ms at
     T = 4096, E = 128 on H200; docs/perf_notes.md).
     """
-    b = tl.program_id(0)
     tokens = b * BT + tl.arange(0, BT)
     experts = tl.arange(0, EP2)
     e_ok = experts < num_experts
@@ -330,6 +329,26 @@ def _block_count_kernel(rmap_ptr, counts_ptr, num_tokens, num_experts, EP2: tl.c
                   mask=m, other=0) != 0
     tl.store(counts_ptr + b * num_experts + experts, tl.sum(sel.to(tl.int32), axis=0),
              mask=e_ok)
+
+
+@triton.jit(do_not_specialize=["num_segments", "num_remote", "num_local", "grid",
+                               "num_comm", "col_blocks", "search_steps", "tile_blocks",
+                               "num_tokens", "num_experts"])
+def _prepare_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, grid, num_comm,
+                    col_blocks, search_steps, tile_blocks, rmap_ptr, counts_ptr, num_tokens,
+                    num_experts, BM: tl.constexpr, BN: tl.constexpr, WAVES: tl.constexpr,
+                    BLOCK: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr):
+    """The call's two independent preparation steps in one launch (one launch less on the
+    host's critical path): CTAs [0, tile_blocks) expand the tile list
+    (`_tile_list_block`), the others count the routing map's tokens per block
+    (`_block_count_block`, block pid - tile_blocks)."""
+    pid = tl.program_id(0)
+    if pid < tile_blocks:
+        _tile_list_block(pid, seg_ptr, tiles_ptr, num_segments, num_remote, num_local, grid,
+                         num_comm, col_blocks, search_steps, BM, BN, WAVES, BLOCK)
+    else:
+        _block_count_block(pid - tile_blocks, rmap_ptr, counts_ptr, num_tokens, num_experts,
+                           EP2, BT)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_experts"])
@@ -341,7 +360,7 @@ def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_exp
     rank among expert e's tokens).
 
     rmap: uint8 [T, E] routing map; counts: int32 [ceil(T / BT), E] per token block
-    (`_block_count_kernel`, same BT); base: int32 [TP, E]; index: int32 [T, K * TP]. Block b
+    (`_block_count_block`, same BT); base: int32 [TP, E]; index: int32 [T, K * TP]. Block b
     gets cum as the sum of the counts of blocks < b (CB blocks per load) plus an in-block
     scan. Needs only the routing map: launched when the call is prepared.
     """

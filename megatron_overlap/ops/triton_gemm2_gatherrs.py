@@ -15,10 +15,11 @@ Per call, on this rank (DESIGN.md §3):
      destinations round-robin after this rank, this rank last), the arrival targets and the
      finalize index bases, in one pinned int32 buffer, one asynchronous H2D copy; O(L x R +
      E) host work, whatever the token count;
-  2. device, current stream: the tile list (`_tile_list_kernel`: the segments' tiles,
-     wave-ordered for the plan's k communication CTAs), the finalize index
-     (`_block_count_kernel`, then `_index_kernel`: the routing map's prefix sum over tokens,
-     compacted per token), then, once h exists, `_gemm_scatter_kernel` (persistent,
+  2. device, current stream: the tile list (`_tile_list_block`: the segments' tiles,
+     wave-ordered for the plan's k communication CTAs) and the routing map's token counts
+     per block (`_block_count_block`), both in one launch (`_prepare_kernel`), then the
+     finalize index (`_index_kernel`: the routing map's prefix sum over tokens, compacted
+     per token), then, once h exists, `_gemm_scatter_kernel` (persistent,
      `plan.num_ctas` CTAs) and `_finalize_kernel`. Everything up to the index needs only
      the metadata: `_Call` does it at construction ("prepare"), which the Megatron layer
      does while FC1 runs;
@@ -78,9 +79,9 @@ INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
 FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
 INDEX_BLOCK_TOKENS = 64
-"""Tokens per CTA of `_block_count_kernel` / `_index_kernel` on the GPU."""
+"""Tokens per CTA of `_block_count_block` / `_index_kernel` on the GPU."""
 TILE_LIST_BLOCK = 256
-"""Tile entries per CTA of `_tile_list_kernel`."""
+"""Tile entries per CTA of `_tile_list_block`."""
 
 
 def default_tile(device: torch.device) -> TileConfig:
@@ -113,7 +114,7 @@ class DirectLayout:
     num_pairs: this rank's routed (token, expert) pairs.
 
     `tiles_remote` / `tiles_local` expand the segments on the host (`expand_tiles`; the
-    GPU path expands them on the device with `_tile_list_kernel`).
+    GPU path expands them on the device with `_tile_list_block`).
     """
 
     segments: np.ndarray
@@ -146,7 +147,7 @@ def _ceil_div(a, b):
 
 def expand_tiles(layout: DirectLayout) -> np.ndarray:
     """int32 [num_remote + num_local, 6]: every segment's tiles in list order (the host
-    twin of `_tile_list_kernel` without the wave order)."""
+    twin of `_tile_list_block` without the wave order)."""
     seg = layout.segments.astype(np.int64)
     nb = _ceil_div(seg[:, 2], layout.bm)
     run = np.repeat(np.arange(len(seg)), nb)
@@ -368,37 +369,41 @@ class _Call:
             self.targets = dev[:r2].view(torch.int64)
             self.finalize_base = dev[r2: r2 + n_base]
             table = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
-        with span("mo.tile_list"):
+        with span("mo.prepare_kernels"):
             num_tiles = self.num_remote + self.num_local
-            if tile_list == "host":
-                self.tiles = table
-            else:
-                self.tiles = torch.empty(num_tiles, k.TILE_FIELDS, dtype=torch.int32,
-                                         device=device)
-                if num_tiles:
-                    segs = len(lay.segments)
-                    k._tile_list_kernel[(triton.cdiv(num_tiles, TILE_LIST_BLOCK),)](
-                        table, self.tiles, segs, self.num_remote, self.num_local, self.grid,
-                        kc, lay.col_blocks, max(1, segs.bit_length()), BM=self.tile.bm,
-                        BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK, num_warps=4)
-        with span("mo.index"):
             rmap = meta.routing_map.view(torch.uint8)
-            kmax = max(1, min(int(meta.topk or rmap.shape[1]), rmap.shape[1]))
-            self.index = torch.empty(meta.num_tokens, kmax * meta.tp_size, dtype=torch.int32,
-                                     device=device)
-            if meta.num_tokens:
-                ep2 = max(16, triton.next_power_of_2(rmap.shape[1]))
-                bt = INDEX_BLOCK_TOKENS if self.gpu else 16
-                nb = -(-meta.num_tokens // bt)
-                block_counts = torch.empty(nb, rmap.shape[1], dtype=torch.int32, device=device)
-                warps = 8 if ep2 >= 256 else 4
-                k._block_count_kernel[(nb,)](rmap, block_counts, meta.num_tokens, rmap.shape[1],
-                                             EP2=ep2, BT=bt, num_warps=warps)
+            num_experts = rmap.shape[1]
+            kmax = max(1, min(int(meta.topk or num_experts), num_experts))
+            bt = INDEX_BLOCK_TOKENS if self.gpu else 16
+            nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
+            # One device allocation: the tile list, the per-block token counts, the index.
+            sizes = [0 if tile_list == "host" else num_tiles * k.TILE_FIELDS,
+                     nb * num_experts, meta.num_tokens * kmax * meta.tp_size]
+            scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+            tiles, block_counts, index = torch.split(scratch, sizes)
+            self.tiles = table if tile_list == "host" else tiles.view(-1, k.TILE_FIELDS)
+            self.index = index.view(meta.num_tokens, kmax * meta.tp_size)
+            tile_blocks = 0 if tile_list == "host" else triton.cdiv(num_tiles, TILE_LIST_BLOCK)
+            ep2 = max(16, triton.next_power_of_2(num_experts))
+            warps = 8 if ep2 >= 256 else 4
+            if tile_blocks + nb:
+                # Tile list and block counts (independent) in one launch, then the index.
+                segs = len(lay.segments)
+                k._prepare_kernel[(tile_blocks + nb,)](
+                    table, self.tiles, segs, self.num_remote, self.num_local, self.grid, kc,
+                    lay.col_blocks, max(1, segs.bit_length()), tile_blocks, rmap,
+                    block_counts, meta.num_tokens, num_experts, BM=self.tile.bm,
+                    BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK, EP2=ep2, BT=bt,
+                    num_warps=warps)
+            if nb:
                 k._index_kernel[(nb,)](
                     rmap, block_counts, self.finalize_base, self.index, meta.num_tokens,
-                    rmap.shape[1], TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
+                    num_experts, TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
                     num_warps=warps)
-        self.counters = torch.zeros(2, dtype=torch.int32, device=device)
+        # Claim counters of the dynamic schedule (zeroed at each launch); the static one
+        # reads none.
+        self.counters = (None if self.tile.static
+                         else torch.empty(2, dtype=torch.int32, device=device))
         self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
         self.h = self.w2 = None
         self.sent = False
@@ -463,7 +468,7 @@ class _Call:
         if not t.static:
             self.counters.zero_()
         handle = k._gemm_scatter_kernel[(grid,)](
-            h, w2, tiles, num_remote, num_local, self.counters,
+            h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
             ws.peer_recv_ptrs if recv_ptrs is None else recv_ptrs, ws.peer_signal_ptrs,
             ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
             ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),

@@ -46,7 +46,7 @@ def _cases():
 
 
 def _index_mismatch():
-    """The finalize index of a prepared call (`_block_count_kernel` + `_index_kernel`, 16
+    """The finalize index of a prepared call (`_block_count_block` + `_index_kernel`, 16
     tokens a block: 75 blocks, so the cross-block prefix takes three CB = 32 loads) against
     its torch twin `contribution_rows`, compacted per token; None when they agree."""
     import torch
@@ -76,7 +76,7 @@ def _index_mismatch():
 
 
 def _tile_list_mismatch():
-    """The device tile list (`_tile_list_kernel`) against the host twin (`expand_tiles` +
+    """The device tile list (`_tile_list_block`) against the host twin (`expand_tiles` +
     `wave_order`) for several plans, layouts and routings (empty segments included); None
     when every one agrees."""
     import os
