@@ -1,9 +1,12 @@
 """Alltoall token dispatcher whose combine half is the fused GEMM2 + GatherRS operation.
 
-The dispatch half is Megatron's `MoEAlltoAllTokenDispatcher`, unchanged, plus a small
-all-gather of routing counts (every rank's tokens per expert), from which every rank knows
-the tokens per local expert per source rank and the row layout of every receive buffer
-(also with one local expert, where Megatron does not keep them). When the reference path
+The dispatch half is Megatron's `MoEAlltoAllTokenDispatcher`, unchanged, plus every rank's
+tokens per expert, from which every rank knows the tokens per local expert per source rank
+and the row layout of every receive buffer (also with one local expert, where Megatron does
+not keep them). On the Triton path these counts are the ones Megatron's `preprocess`
+all-gathers anyway (it keeps only the local experts' slice; `preprocess` below keeps the
+whole [R, E] tensor); otherwise, or if that gather is not seen, a small all-gather of our
+own. When the reference path
 will run, each routed row's *slot* (`metadata.source_slots`, 4 bytes a row) also travels
 with the tokens, so the expert side can pre-reduce a token's rows; the Triton path needs no
 slots (its rows are summed where their token lives) and skips them.
@@ -20,6 +23,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe import token_dispatcher as _megatron_dispatcher
 from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -89,6 +93,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._prepared = None  # a prepared Triton call (prepare_combine), or None
         self._was_prepared = False
         self.num_plans = 0  # resource-manager calls so far (one per forward)
+        self._keep_counts = False  # preprocess keeps Megatron's gathered counts (Triton path)
+        self._megatron_counts = None
+        self._slot_columns = None
         self._num_sms = None
 
     # ---- dispatch half: Megatron's, plus the counts (and slots for the reference path) -
@@ -103,23 +110,64 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         group = self.tp_ep_group if self.tp_size * self.ep_size > 1 else None
         return triton_unavailable_reason(hidden_states, hidden_states, group) is None
 
+    def preprocess(self, routing_map):
+        """Megatron's `preprocess`; on the Triton path (`dispatch_preprocess` sets
+        `_keep_counts`) it also keeps the [R * E] tokens-per-expert tensor that Megatron
+        all-gathers over the tp_ep group there (`gather_from_sequence_parallel_region` of
+        `num_local_tokens_per_expert`), in `_megatron_counts`; None if that gather did not
+        happen exactly once with that size (then `dispatch_preprocess` gathers its own)."""
+        self._megatron_counts = None
+        if not getattr(self, "_keep_counts", False):
+            return super().preprocess(routing_map)
+        seen = []
+        original = _megatron_dispatcher.gather_from_sequence_parallel_region
+
+        def keep(input_, *args, **kwargs):
+            out = original(input_, *args, **kwargs)
+            seen.append(out)
+            return out
+
+        _megatron_dispatcher.gather_from_sequence_parallel_region = keep
+        try:
+            result = super().preprocess(routing_map)
+        finally:
+            _megatron_dispatcher.gather_from_sequence_parallel_region = original
+        size = self.tp_size * self.ep_size * routing_map.shape[1]
+        if len(seen) == 1 and seen[0].numel() == size:
+            self._megatron_counts = seen[0]
+        return result
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """Megatron's `dispatch_preprocess`, then this rank's routing counts (and its slots,
-        which only the reference path reads)."""
-        out = super().dispatch_preprocess(hidden_states, routing_map, probs)
-        if self._triton_will_run(hidden_states):
+        """Megatron's `dispatch_preprocess`, then every rank's routing counts (Megatron's
+        own on the Triton path, see `preprocess`), and this rank's slots where the reference
+        path will read them."""
+        triton = self._triton_will_run(hidden_states)
+        self._keep_counts = triton and self.tp_size * self.ep_size > 1
+        try:
+            out = super().dispatch_preprocess(hidden_states, routing_map, probs)
+        finally:
+            self._keep_counts = False
+        if triton:
             self._row_slot = self._dest_token_mask = None
             slots_per_ep = self.routing_map.new_zeros(self.ep_size, dtype=torch.int64)
         else:
             self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
                 self.routing_map, self.ep_size
             )
-        with span("mo.counts_all_gather"):
-            counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
-            if self.tp_size * self.ep_size > 1:
-                gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
-                _all_gather_flat(gathered, counts, group=self.tp_ep_group)
-                counts = gathered
+        self._slot_columns = None
+        if self._megatron_counts is not None:
+            # Megatron's [R * E] counts; the slot columns (zero: no slots travel) are added
+            # on the host (dispatch_postprocess).
+            counts = self._megatron_counts.to(torch.int64)
+            self._slot_columns = self.ep_size
+            self._megatron_counts = None
+        else:
+            with span("mo.counts_all_gather"):
+                counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
+                if self.tp_size * self.ep_size > 1:
+                    gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
+                    _all_gather_flat(gathered, counts, group=self.tp_ep_group)
+                    counts = gathered
         counts = counts.view(self.tp_size * self.ep_size, -1)
         if counts.is_cuda:
             # Into pinned memory asynchronously, with an event: dispatch_postprocess waits for
@@ -156,6 +204,10 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             if self._counts_ready is not None:
                 self._counts_ready.synchronize()
             self._counts = self._counts_host.numpy()
+            if self._slot_columns:
+                self._counts = np.concatenate(
+                    [self._counts, np.zeros((self._counts.shape[0], self._slot_columns),
+                                            dtype=self._counts.dtype)], axis=1)
         self._counts_ready = self._counts_host = None
         row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
         if row_slot is not None:

@@ -311,3 +311,44 @@ def test_bad_environment_fails_at_construction(monkeypatch, var, value, match):
     config = _config(LayerCase(1, 1, num_experts=4, topk=2), True)
     with pytest.raises(ValueError, match=match):
         GatherRSAlltoAllTokenDispatcher(4, [0, 1, 2, 3], config)
+
+
+def _counts_worker(rank: int, world_size: int, layouts: list) -> list:
+    """For each (TP, EP): the [R, E] counts the dispatcher keeps from Megatron's `preprocess`
+    against an all-gather of every rank's tokens per expert (and None when not asked)."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_overlap.megatron import use_gatherrs_in_moe_spec
+    from tests.support.megatron_cpu import apply_cpu_patches, parallel_state
+
+    apply_cpu_patches()
+    out = []
+    for tp, ep in layouts:
+        case = LayerCase(tp, ep, num_experts=4 * ep, topk=2)
+        with parallel_state(tp, ep, seed=1234):
+            spec = use_gatherrs_in_moe_spec(get_moe_module_spec(use_te=False,
+                                                                num_experts=case.num_experts))
+            dispatcher = spec(config=_config(case, True)).token_dispatcher
+            gen = torch.Generator().manual_seed(rank)
+            scores = torch.rand(5 + 3 * rank, case.num_experts, generator=gen)
+            rmap = torch.zeros_like(scores, dtype=torch.bool)
+            rmap.scatter_(1, scores.topk(case.topk, dim=1).indices, True)
+            dispatcher.preprocess(rmap)
+            unasked = dispatcher._megatron_counts
+            dispatcher._keep_counts = True
+            dispatcher.preprocess(rmap)
+            kept = dispatcher._megatron_counts
+            want = [torch.zeros(case.num_experts, dtype=torch.int64) for _ in range(world_size)]
+            dist.all_gather(want, rmap.sum(dim=0).to(torch.int64))
+            out.append(unasked is None and kept is not None
+                       and torch.equal(kept.view(world_size, -1).to(torch.int64),
+                                       torch.stack(want)))
+    return out
+
+
+def test_dispatcher_keeps_megatron_counts():
+    """The Triton path reuses the tokens-per-expert all-gather of Megatron's `preprocess`
+    (group order, [R, E]) instead of its own; checked on EP2 and TP2 (SP)."""
+    results = run_distributed(_counts_worker, 2, [(1, 2), (2, 1)], timeout_s=120)
+    assert results == [[True, True], [True, True]], results
