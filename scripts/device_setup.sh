@@ -12,8 +12,10 @@
 #   3. installs the wheels carried in .whl/ into $MO_SITE (pip --target, offline), skipping
 #      each one whose package is already importable at that version (megatron-core) or at a
 #      version that satisfies what the carried wheels require (packaging);
-#   4. builds the C++ resource solver in place (`setup.py build_ext --inplace`, pybind11 from
-#      the carried wheel) unless a build for this Python is newer than its sources;
+#   4. builds the C++ extensions in place (`setup.py build_ext --inplace`, pybind11 from the
+#      carried wheel): the resource solver (csrc/solver.cpp) and the GatherRS host layout
+#      (csrc/layout.cpp), unless the builds for this Python are newer than their sources, and
+#      checks that both import;
 #   5. prints one line: python / torch / triton / megatron-core versions and the GPUs.
 # It returns non-zero, with a message, when something is missing; it never `exit`s or
 # changes the caller's shell options. Make .whl/ on the dev machine with
@@ -146,23 +148,30 @@ EOF
         echo "[device_setup] installed into $site: ${files[*]##*/}"
     fi
 
-    # The C++ resource solver, built next to its Python twin (rebuilt when its sources are
-    # newer than the built module); fails loudly: without it the plans come from the twin.
-    local suffix so
+    # The C++ extensions, built next to their Python twins (rebuilt when a source is newer
+    # than its built module); fails loudly: without them the plans come from the solver's
+    # twin and the layouts from direct_layout_numpy.
+    local suffix so layout_so
     suffix="$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || return 1
     so="$root/megatron_overlap/resource/_solver$suffix"
-    if [[ ! -f "$so" || "$root/csrc/solver.cpp" -nt "$so" || "$root/setup.py" -nt "$so" ]]; then
+    layout_so="$root/megatron_overlap/ops/_layout$suffix"
+    if [[ ! -f "$so" || "$root/csrc/solver.cpp" -nt "$so" || "$root/setup.py" -nt "$so"
+          || ! -f "$layout_so" || "$root/csrc/layout.cpp" -nt "$layout_so" ]]; then
         if ! (cd "$root" && "$py" setup.py -q build_ext --inplace >/tmp/mo_build_ext.log 2>&1); then
-            echo "[device_setup] ERROR: building the C++ resource solver failed (needs setuptools" \
+            echo "[device_setup] ERROR: building the C++ extensions failed (needs setuptools" \
                  "on the image and pybind11 from .whl/: run scripts/fetch_device_wheels.sh);" \
                  "log: /tmp/mo_build_ext.log" >&2
             tail -20 /tmp/mo_build_ext.log >&2
             return 1
         fi
-        echo "[device_setup] built $(basename "$so")"
+        echo "[device_setup] built $(basename "$so") $(basename "$layout_so")"
     fi
     if ! "$py" -c "from megatron_overlap.resource import _solver" 2>/dev/null; then
         echo "[device_setup] ERROR: megatron_overlap.resource._solver does not import" >&2
+        return 1
+    fi
+    if ! "$py" -c "from megatron_overlap.ops import _layout" 2>/dev/null; then
+        echo "[device_setup] ERROR: megatron_overlap.ops._layout does not import" >&2
         return 1
     fi
 

@@ -49,6 +49,11 @@ from megatron_overlap.profiling import span
 from megatron_overlap.resource import KernelResources, Plan, kernel_resources_from_compiled
 from megatron_overlap.symm import GatherRSWorkspace
 
+try:  # the C++ `direct_layout` (csrc/layout.cpp), built by setup.py; else the numpy twin
+    from megatron_overlap.ops import _layout as _layout_cpp
+except ImportError:
+    _layout_cpp = None
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -165,12 +170,38 @@ def expand_tiles(layout: DirectLayout) -> np.ndarray:
 
 
 def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> DirectLayout:
-    """Segments, arrival counts and index bases of one call (host numpy, no device work;
-    O(L x R + E), independent of the token count).
+    """Segments, arrival counts and index bases of one call (host only, no device work;
+    O(L x R + R x E), independent of the token count).
+
+    Runs the C++ extension `megatron_overlap.ops._layout` when it is built, else
+    `direct_layout_numpy`; both return the same `DirectLayout` (tests/cpu/test_layout_cpp.py).
 
     Raises:
         ValueError: `meta` lacks `routed_counts` (built without the exchanged counts), or a
-            row or tile coordinate does not fit in int32.
+            row or tile coordinate does not fit in int32; with the C++ extension also counts
+            of the wrong shape or negative, hidden < 0, bm < 1 or bn < 1 (unchecked by the
+            twin).
+    """
+    if meta.routed_counts is None:
+        raise ValueError("metadata without routed_counts: build it with build_metadata(...)")
+    if _layout_cpp is None:
+        return direct_layout_numpy(meta, hidden, bm, bn)
+    (segments, num_remote, num_local, col_blocks, arrivals, recv_rows, finalize_base,
+     num_pairs) = _layout_cpp.direct_layout(
+        meta.routed_counts, meta.rows_per_expert_per_chunk, meta.tp_size, meta.ep_size,
+        meta.tp_rank, meta.ep_rank, hidden, bm, bn)
+    return DirectLayout(segments=segments, num_remote=num_remote, num_local=num_local,
+                        col_blocks=col_blocks, bm=bm, bn=bn, arrivals=arrivals,
+                        recv_rows=recv_rows, finalize_base=finalize_base, num_pairs=num_pairs)
+
+
+def direct_layout_numpy(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> DirectLayout:
+    """The numpy twin of `direct_layout` (same values; used where the C++ extension is not
+    built, and by the tests that compare the two).
+
+    Raises:
+        ValueError: `meta` lacks `routed_counts`, or a row or tile coordinate does not fit in
+            int32.
     """
     if meta.routed_counts is None:
         raise ValueError("metadata without routed_counts: build it with build_metadata(...)")

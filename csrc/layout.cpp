@@ -1,0 +1,167 @@
+// Host tables of one fused GEMM2 + GatherRS call: the C++ twin of `direct_layout_numpy`
+// (megatron_overlap/ops/triton_gemm2_gatherrs.py, whose module docstring describes the row
+// layout). Same values, same segment order, same int32 overflow check; O(L x R + R x E + TP x E).
+// Built as megatron_overlap.ops._layout by setup.py.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+using Counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+[[noreturn]] void fail(const std::string& msg) { throw py::value_error(msg); }
+
+std::string shape_of(const Counts& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
+    s += std::to_string(a.shape(i)) + (a.ndim() == 1 ? "," : i + 1 < a.ndim() ? ", " : "");
+  }
+  return s + ")";
+}
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }  // a >= 0, b > 0
+
+py::tuple direct_layout(const Counts& routed_arr, const Counts& counts_arr, int64_t tp,
+                        int64_t ep, int64_t tp_rank, int64_t ep_rank, int64_t hidden,
+                        int64_t bm, int64_t bn) {
+  if (tp < 1 || ep < 1 || tp_rank < 0 || tp_rank >= tp || ep_rank < 0 || ep_rank >= ep) {
+    fail("tp_rank=" + std::to_string(tp_rank) + " of tp_size=" + std::to_string(tp) +
+         ", ep_rank=" + std::to_string(ep_rank) + " of ep_size=" + std::to_string(ep) +
+         ": expected sizes >= 1 and 0 <= rank < size");
+  }
+  if (hidden < 0 || bm < 1 || bn < 1) {
+    fail("hidden=" + std::to_string(hidden) + ", bm=" + std::to_string(bm) + ", bn=" +
+         std::to_string(bn) + ": expected hidden >= 0, bm >= 1, bn >= 1");
+  }
+  const int64_t R = tp * ep;
+  if (routed_arr.ndim() != 2 || routed_arr.shape(0) != R || routed_arr.shape(1) == 0 ||
+      routed_arr.shape(1) % ep != 0) {
+    fail("routed must be [R=" + std::to_string(R) + ", E], E a positive multiple of ep_size=" +
+         std::to_string(ep) + ", got shape " + shape_of(routed_arr));
+  }
+  const int64_t E = routed_arr.shape(1), L = E / ep;
+  if (counts_arr.ndim() != 2 || counts_arr.shape(0) != L || counts_arr.shape(1) != R) {
+    fail("rows_per_expert_per_chunk must be [L=" + std::to_string(L) + ", R=" +
+         std::to_string(R) + "], got shape " + shape_of(counts_arr));
+  }
+  const int64_t* routed = routed_arr.data();  // [R, E] group order: tokens per expert
+  const int64_t* counts = counts_arr.data();  // [L, R] chunk order: rows of (l, chunk)
+  for (int64_t i = 0; i < R * E; ++i) {
+    if (routed[i] < 0) fail("routed counts must be >= 0");
+  }
+  for (int64_t i = 0; i < L * R; ++i) {
+    if (counts[i] < 0) fail("rows_per_expert_per_chunk must be >= 0");
+  }
+  const int64_t me = ep_rank * tp + tp_rank;
+  const int64_t col_blocks = cdiv(hidden, bn);
+
+  // pre[g * (ep + 1) + j]: rank g's routed pairs with an expert on EP ranks < j. Rank g's
+  // buffer holds, per sender s in group order, a block of (g's pairs on ep(s)) rows.
+  std::vector<int64_t> pre(R * (ep + 1), 0);
+  for (int64_t g = 0; g < R; ++g) {
+    for (int64_t e = 0; e < E; ++e) pre[g * (ep + 1) + e / L + 1] += routed[g * E + e];
+    for (int64_t j = 0; j < ep; ++j) pre[g * (ep + 1) + j + 1] += pre[g * (ep + 1) + j];
+  }
+  // offset(g, s): first row of sender s's block in g's buffer (the blocks of senders < s).
+  auto offset = [&](int64_t g, int64_t s) {
+    const int64_t* p = &pre[g * (ep + 1) + s / tp];
+    return tp * p[0] + (s % tp) * (p[1] - p[0]);
+  };
+  py::array_t<int64_t> recv_rows_arr(R);  // rows each rank receives: TP x its pairs
+  auto recv_rows = recv_rows_arr.mutable_unchecked<1>();
+  for (int64_t g = 0; g < R; ++g) recv_rows(g) = tp * pre[g * (ep + 1) + ep];
+
+  // h holds the (local expert l, chunk c) runs in row-major [L, R] order; run_start[l * R + c]
+  // is the first row of run (l, c).
+  std::vector<int64_t> run_start(L * R + 1, 0);
+  for (int64_t i = 0; i < L * R; ++i) run_start[i + 1] = run_start[i] + counts[i];
+
+  // Segments: destinations in `destination_order` (me + 1, ..., me - 1, then me), local
+  // experts ascending. Destination d receives source chunk c = tp(d) * EP + ep(d); this rank's
+  // rows of (l, c) go after its rows of experts < l in its block of d's buffer.
+  const int64_t S = R * L;
+  const int64_t int32_end = int64_t(1) << 31;
+  py::array_t<int32_t> segments_arr({S, int64_t(6)});
+  auto seg = segments_arr.mutable_unchecked<2>();
+  int64_t num_remote = 0, num_local = 0, first_tile = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t d = (me + 1 + i) % R;
+    const int64_t c = (d % tp) * ep + d / tp;
+    int64_t dest_row = offset(d, me);
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t rows = counts[l * R + c], h_row = run_start[l * R + c];
+      const int64_t tiles = cdiv(rows, bm) * col_blocks;
+      if (h_row + rows >= int32_end || dest_row + rows >= int32_end ||
+          first_tile + tiles >= int32_end) {
+        fail("a row or tile coordinate does not fit in int32");
+      }
+      const int64_t s = i * L + l;
+      seg(s, 0) = int32_t(l);
+      seg(s, 1) = int32_t(h_row);
+      seg(s, 2) = int32_t(rows);
+      seg(s, 3) = int32_t(d);
+      seg(s, 4) = int32_t(dest_row);
+      seg(s, 5) = int32_t(first_tile);
+      (d == me ? num_local : num_remote) += tiles;
+      first_tile += tiles;
+      dest_row += rows;
+    }
+  }
+
+  // arrivals[s]: tiles sender s stores into my buffer (my pairs of s's experts, tiled).
+  const int64_t* mine = routed + me * E;
+  std::vector<int64_t> tiles_from_ep(ep, 0);
+  for (int64_t e = 0; e < E; ++e) tiles_from_ep[e / L] += cdiv(mine[e], bm) * col_blocks;
+  py::array_t<int64_t> arrivals_arr(R);
+  auto arrivals = arrivals_arr.mutable_unchecked<1>();
+  for (int64_t s = 0; s < R; ++s) arrivals(s) = s == me ? 0 : tiles_from_ep[s / tp];
+
+  // finalize_base[t, e] = offset(me, sender) - first pair of e's EP rank + first pair of e
+  // - 1, sender = TP rank t of e's EP rank (int32, wrapping like numpy's astype).
+  py::array_t<int32_t> base_arr({tp, E});
+  auto base = base_arr.mutable_unchecked<2>();
+  int64_t first_pair = 0, first_pair_of_ep = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (e % L == 0) first_pair_of_ep = first_pair;
+    for (int64_t t = 0; t < tp; ++t) {
+      base(t, e) = int32_t(offset(me, (e / L) * tp + t) - first_pair_of_ep + first_pair - 1);
+    }
+    first_pair += mine[e];
+  }
+  return py::make_tuple(segments_arr, num_remote, num_local, col_blocks, arrivals_arr,
+                        recv_rows_arr, base_arr, first_pair);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_layout, m) {
+  m.doc() = "C++ twin of triton_gemm2_gatherrs.direct_layout_numpy (host tables of one call)";
+  m.def("direct_layout", &direct_layout, py::arg("routed"), py::arg("rows_per_expert_per_chunk"),
+        py::arg("tp_size"), py::arg("ep_size"), py::arg("tp_rank"), py::arg("ep_rank"),
+        py::arg("hidden"), py::arg("bm"), py::arg("bn"),
+        R"doc(Segments, arrival counts and finalize bases of one call (see DirectLayout).
+
+Args:
+    routed: [R, E] integer array, group order: every rank's tokens per expert
+        (meta.routed_counts); R = tp_size * ep_size, E a positive multiple of
+        ep_size.
+    rows_per_expert_per_chunk: [L, R] integer array, chunk order, L = E / ep_size.
+    tp_size, ep_size, tp_rank, ep_rank: this rank's place in the tp_ep group.
+    hidden, bm, bn: output columns and the BM x BN tile.
+
+Returns:
+    (segments int32 [R * L, 6], num_remote, num_local, col_blocks, arrivals int64 [R],
+    recv_rows int64 [R], finalize_base int32 [tp_size, E], num_pairs).
+
+Raises:
+    ValueError: bad shapes, sizes, ranks or tile shape, negative counts, or a row or tile
+        coordinate that does not fit in int32.
+)doc");
+}

@@ -1,0 +1,128 @@
+"""The C++ `direct_layout` (megatron_overlap.ops._layout) against its numpy twin: same
+tables on random and real metadata, ValueError on bad input. Skipped where the extension is
+not built (`python setup.py build_ext --inplace`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_overlap.bench.workloads import rank_rows, routing_maps
+from megatron_overlap.metadata import build_metadata
+from megatron_overlap.ops import triton_gemm2_gatherrs as op
+
+cpp = op._layout_cpp
+if cpp is None:
+    # CI builds it (pip install -e .): there a missing extension is an error, not a skip.
+    assert not os.environ.get("CI"), "CI must build megatron_overlap.ops._layout"
+    pytest.skip("C++ layout not built (python setup.py build_ext --inplace)",
+                allow_module_level=True)
+
+LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 2)]
+TILES = [(bm, bn) for bm in (16, 64, 128) for bn in (16, 128, 256)]
+
+
+def make_meta(routed, tp, ep, rank):
+    """Triton-only metadata of `rank` from the exchanged counts `routed` [R, E] (the routing
+    map is a placeholder: validate=False)."""
+    counts = np.concatenate([routed, np.ones((tp * ep, ep), np.int64)], axis=1)
+    return build_metadata(counts=counts, row_slot=None, dest_token_mask=None, tp_size=tp,
+                          tp_rank=rank % tp, ep_size=ep, ep_rank=rank // tp, topk=1,
+                          routing_map=torch.zeros(5, routed.shape[1], dtype=torch.bool),
+                          validate=False)
+
+
+def random_meta(rng, tp, ep, rank, num_local):
+    """Random counts with zero-token experts and, now and then, zero-token ranks."""
+    r, e = tp * ep, num_local * ep
+    routed = rng.integers(0, rng.choice([3, 40, 700]), (r, e))
+    routed[rng.random((r, e)) < 0.3] = 0
+    routed[rng.random(r) < 0.2] = 0
+    return make_meta(routed, tp, ep, rank)
+
+
+def assert_same(a, b):
+    for f in dataclasses.fields(op.DirectLayout):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(y, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), f.name
+        else:
+            assert type(x) is int and x == y, f.name
+
+
+def cpp_layout(meta, hidden, bm, bn):
+    assert op._layout_cpp is cpp  # direct_layout dispatches to the extension
+    return op.direct_layout(meta, hidden, bm, bn)
+
+
+@pytest.mark.parametrize("tp,ep", LAYOUTS)
+def test_random_metadata(tp, ep):
+    rng = np.random.default_rng(100 * tp + ep)
+    for _ in range(40):
+        meta = random_meta(rng, tp, ep, int(rng.integers(tp * ep)), int(rng.integers(1, 9)))
+        bm, bn = TILES[rng.integers(len(TILES))]
+        hidden = int(rng.choice([bn, 4 * bn, int(rng.integers(1, 3000))]))
+        assert_same(cpp_layout(meta, hidden, bm, bn), op.direct_layout_numpy(meta, hidden, bm, bn))
+
+
+@pytest.mark.parametrize("tp,ep", LAYOUTS)
+def test_real_metadata(tp, ep):
+    r = tp * ep
+    tokens = [0 if g == r - 1 and r > 1 else 23 + 7 * g for g in range(r)]  # one empty rank
+    maps = routing_maps(tokens, 4 * ep, 2, "sparse", seed=tp + ep)
+    for rank in range(r):
+        meta = rank_rows(maps, tp=tp, ep=ep, rank=rank, topk=2).meta
+        for bm, bn in TILES[::4]:
+            assert_same(cpp_layout(meta, 300, bm, bn), op.direct_layout_numpy(meta, 300, bm, bn))
+
+
+@pytest.mark.parametrize("hidden,bn,routed", [
+    (2**31, 1, 1),        # first tile / tile count
+    (64, 64, 2**30),      # a row of h (L * R runs of 2**30 rows)
+])
+def test_int32_overflow(hidden, bn, routed):
+    meta = make_meta(np.full((2, 4), routed), 1, 2, 0)
+    for impl in (op.direct_layout_numpy, cpp_layout):
+        with pytest.raises(ValueError, match="a row or tile coordinate does not fit in int32"):
+            impl(meta, hidden, 16, bn)
+
+
+def test_bad_input():
+    routed = np.ones((4, 8), np.int64)  # R = 4 (tp 2, ep 2), E = 8, L = 4
+    good = {"routed": routed, "rows_per_expert_per_chunk": np.ones((4, 4), np.int32),
+            "tp_size": 2, "ep_size": 2, "tp_rank": 1, "ep_rank": 0, "hidden": 64, "bm": 16,
+            "bn": 16}
+    assert cpp.direct_layout(**good)[0].shape == (16, 6)  # any integer dtype goes
+    for change, match in [
+        ({"routed": np.ones((3, 8))}, r"routed must be \[R=4, E\].*\(3, 8\)"),
+        ({"routed": np.ones((4, 7))}, r"positive multiple of ep_size=2"),
+        ({"routed": np.ones((4, 0))}, r"positive multiple"),
+        ({"routed": np.ones(4)}, r"got shape \(4,\)"),
+        ({"rows_per_expert_per_chunk": np.ones((4, 2))}, r"\[L=4, R=4\], got shape \(4, 2\)"),
+        ({"rows_per_expert_per_chunk": -np.ones((4, 4))}, r"must be >= 0"),
+        ({"routed": -routed}, r"must be >= 0"),
+        ({"tp_rank": 2}, r"tp_rank=2 of tp_size=2"),
+        ({"ep_size": 0}, r"expected sizes >= 1"),
+        ({"bm": 0}, r"bm >= 1"),
+        ({"hidden": -1}, r"hidden >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cpp.direct_layout(**{**good, **change})
+
+
+def test_metadata_without_routed_counts():
+    meta = dataclasses.replace(make_meta(np.ones((2, 4), np.int64), 1, 2, 1), routed_counts=None)
+    for impl in (op.direct_layout_numpy, cpp_layout):
+        with pytest.raises(ValueError, match="without routed_counts"):
+            impl(meta, 64, 16, 16)
+
+
+def test_numpy_fallback(monkeypatch):
+    meta = make_meta(np.arange(16).reshape(2, 8) % 5, 1, 2, 1)
+    expected = cpp_layout(meta, 200, 16, 128)
+    monkeypatch.setattr(op, "_layout_cpp", None)  # as on a machine without the build
+    assert_same(op.direct_layout(meta, 200, 16, 128), expected)
