@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_overlap.config import tile_list_source
+from megatron_overlap.kernels.launch import fast_launch_enabled
 from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
@@ -76,7 +77,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         ValueError: the config is not supported by the fused path (`validate_gatherrs_config`),
             or an environment variable of the fused path has a bad value
             (`MEGATRON_OVERLAP_TILE_LIST`, `MEGATRON_OVERLAP_HW_PROFILE`,
-            `MEGATRON_OVERLAP_SOLVER`): checked here, on every device, so that a typo does
+            `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FAST_LAUNCH`): checked here, on every device, so that a typo does
             not wait for the first GPU launch.
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
@@ -84,6 +85,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         validate_gatherrs_config(config)
         tile_list_source()
+        fast_launch_enabled()
         load_profile()
         solver_implementation()
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)

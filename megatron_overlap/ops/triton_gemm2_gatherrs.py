@@ -44,6 +44,7 @@ import triton
 
 from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
 from megatron_overlap.kernels import gemm2_gatherrs as k
+from megatron_overlap.kernels.launch import FastLauncher
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
 from megatron_overlap.profiling import span
 from megatron_overlap.resource import KernelResources, Plan, kernel_resources_from_compiled
@@ -296,6 +297,13 @@ def contribution_rows(meta: GatherRSMetadata, layout: DirectLayout) -> torch.Ten
     return torch.where(rmap[:, :, None], rows, torch.full_like(rows, -1))
 
 
+# Every per-call launch goes through a FastLauncher (compiled kernels reused without the
+# JIT's per-call argument binding; megatron_overlap.kernels.launch).
+_prepare = FastLauncher(k._prepare_kernel)
+_index = FastLauncher(k._index_kernel)
+_gemm_scatter = FastLauncher(k._gemm_scatter_kernel)
+_finalize = FastLauncher(k._finalize_kernel)
+
 _RESOURCES: dict = {}
 """(dtype, F, H, TileConfig) -> KernelResources of the compiled `_gemm_scatter_kernel`."""
 
@@ -420,17 +428,17 @@ class _Call:
             if tile_blocks + nb:
                 # Tile list and block counts (independent) in one launch, then the index.
                 segs = len(lay.segments)
-                k._prepare_kernel[(tile_blocks + nb,)](
-                    table, self.tiles, segs, self.num_remote, self.num_local, self.grid, kc,
-                    lay.col_blocks, max(1, segs.bit_length()), tile_blocks, rmap,
-                    block_counts, meta.num_tokens, num_experts, BM=self.tile.bm,
-                    BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK, EP2=ep2, BT=bt,
-                    num_warps=warps)
+                _prepare(
+                    (tile_blocks + nb,), table, self.tiles, segs, self.num_remote,
+                    self.num_local, self.grid, kc, lay.col_blocks, max(1, segs.bit_length()),
+                    tile_blocks, rmap, block_counts, meta.num_tokens, num_experts,
+                    BM=self.tile.bm, BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK,
+                    EP2=ep2, BT=bt, num_warps=warps)
             if nb:
-                k._index_kernel[(nb,)](
-                    rmap, block_counts, self.finalize_base, self.index, meta.num_tokens,
-                    num_experts, TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
-                    num_warps=warps)
+                _index(
+                    (nb,), rmap, block_counts, self.finalize_base, self.index,
+                    meta.num_tokens, num_experts, TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt,
+                    CB=32, num_warps=warps)
         # Claim counters of the dynamic schedule (zeroed at each launch); the static one
         # reads none.
         self.counters = (None if self.tile.static
@@ -498,8 +506,8 @@ class _Call:
             _ensure_allocator()
         if not t.static:
             self.counters.zero_()
-        handle = k._gemm_scatter_kernel[(grid,)](
-            h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
+        handle = _gemm_scatter(
+            (grid,), h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
             ws.peer_recv_ptrs if recv_ptrs is None else recv_ptrs, ws.peer_signal_ptrs,
             ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
             ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
@@ -516,8 +524,8 @@ class _Call:
         bt, bh = FINALIZE_BLOCK if self.gpu else (8, 16)
         grid = (max(1, -(-meta.num_tokens // bt)), -(-self.hidden // bh))
         last_done = ws.add_finalize_ctas(grid[0] * grid[1]) - 1
-        k._finalize_kernel[grid](
-            ws.recv, self.index, self.out, ws.signals, ws.peer_signal_ptrs, self.targets,
+        _finalize(
+            grid, ws.recv, self.index, self.out, ws.signals, ws.peer_signal_ptrs, self.targets,
             ws.finalize_done, last_done, meta.num_tokens, self.hidden, ws.num_ranks, self.rank,
             self.timeout, ws.error, C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu,
             num_warps=4,

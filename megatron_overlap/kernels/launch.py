@@ -1,0 +1,94 @@
+"""Launching compiled Triton kernels with less host work per call.
+
+`kernel[grid](*args, **meta)` binds and specialises every argument on every call (Triton's
+`JITFunction.run`: argument binding, a specialisation key per argument, a cache lookup)
+before it reaches the compiled kernel's launcher. The fused op launches three or four
+kernels per MoE layer forward on the host's critical path, so `FastLauncher` keeps, per
+argument *key*, the `CompiledKernel` that the first normal launch returned and then calls
+its launcher directly (`CompiledKernel[grid](*args)`, Triton's own entry point for an
+already compiled kernel).
+
+The key is a superset of what Triton specialises on, so a cached kernel is only reused
+where Triton would have picked the same one: each tensor's dtype and 16-byte alignment,
+each integer's type range (int32 / int64 / uint64), whether it is 1 and whether it is a
+multiple of 16 (for every integer, also those marked `do_not_specialize`: a few more cache
+entries, never a wrong one), bools, None, the constexprs, num_warps / num_stages and the
+device. Off CUDA (the interpreter) it always takes the normal path.
+
+`MEGATRON_OVERLAP_FAST_LAUNCH=0` turns it off (every launch through `JITFunction.run`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Tuple
+
+import torch
+
+FAST_LAUNCH_ENV = "MEGATRON_OVERLAP_FAST_LAUNCH"
+"""Environment variable: "0" launches through Triton's JIT every time; "1" or unset: reuse
+the compiled kernel."""
+
+
+def fast_launch_enabled() -> bool:
+    """$MEGATRON_OVERLAP_FAST_LAUNCH: True unless "0".
+
+    Raises:
+        ValueError: a value other than "0", "1" or empty.
+    """
+    value = os.environ.get(FAST_LAUNCH_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '0' or '1'")
+    return value != "0"
+
+
+def _arg_key(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        size = 32 if -2**31 <= arg < 2**31 else (64 if -2**63 <= arg < 2**63 else 65)
+        return (size, arg == 1, arg % 16 == 0)
+    return (type(arg), arg)
+
+
+class FastLauncher:
+    """Launch `fn` (a `triton.jit` function whose constexpr parameters come last) reusing
+    its compiled kernels; see the module docstring.
+
+    Call as `launcher(grid, *args, **meta)`: args are the non-constexpr arguments in order,
+    meta the constexprs by name plus launch options (num_warps, num_stages). Returns the
+    `CompiledKernel` (the normal path's return value).
+    """
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self._cache: Dict[Tuple, Any] = {}
+        self._constexpr_names = None  # the interpreter's functions: always the normal path
+        if hasattr(fn, "constexprs"):
+            constexprs = sorted(fn.constexprs)
+            num_args = len(fn.arg_names)
+            if constexprs != list(range(num_args - len(constexprs), num_args)):
+                raise ValueError(f"{fn.arg_names}: FastLauncher needs the constexpr "
+                                 f"parameters last (constexprs at {constexprs})")
+            self._constexpr_names = [fn.arg_names[i] for i in constexprs]
+
+    @staticmethod
+    def _on_gpu(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
+    def __call__(self, grid, *args, **meta):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if (self._constexpr_names is None or first is None or not self._on_gpu(first)
+                or not fast_launch_enabled()):
+            return self.fn[grid](*args, **meta)
+        key = (first.device.index, tuple(_arg_key(a) for a in args),
+               tuple(sorted(meta.items())))
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self.fn[grid](*args, **meta)
+            self._cache[key] = compiled
+        else:
+            compiled[grid](*args, *(meta[name] for name in self._constexpr_names))
+        return compiled

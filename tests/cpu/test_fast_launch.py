@@ -1,0 +1,85 @@
+"""`FastLauncher`: which launches reuse a compiled kernel, with which arguments, and when
+the normal JIT path runs instead (the GPU tests run every kernel through it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_overlap.kernels.launch import FAST_LAUNCH_ENV, FastLauncher, fast_launch_enabled
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("compiled", grid, args))
+
+
+class _JitFn:
+    """Stands in for a triton.jit function: (x_ptr, n, BLOCK: constexpr, EVEN: constexpr)."""
+
+    arg_names = ["x_ptr", "n", "BLOCK", "EVEN"]
+    constexprs = [2, 3]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("jit", grid, args, meta))
+            return _Compiled(self.log)
+        return run
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    monkeypatch.setattr(FastLauncher, "_on_gpu", staticmethod(lambda t: True))
+    monkeypatch.delenv(FAST_LAUNCH_ENV, raising=False)
+    return FastLauncher(_JitFn())
+
+
+def test_reuses_compiled_kernel_per_key(launcher):
+    x = torch.zeros(64, dtype=torch.float32)
+    launcher((4,), x, 100, BLOCK=32, EVEN=False, num_warps=4)
+    launcher((5,), x, 200, BLOCK=32, EVEN=False, num_warps=4)  # same key (int32, !=1, !%16)
+    launcher((6,), x, 96, BLOCK=32, EVEN=False, num_warps=4)  # multiple of 16: new key
+    launcher((7,), x, 2**40, BLOCK=32, EVEN=False, num_warps=4)  # int64: new key
+    launcher((8,), x, 200, BLOCK=64, EVEN=False, num_warps=4)  # constexpr: new key
+    launcher((9,), x, 200, BLOCK=32, EVEN=False, num_warps=8)  # option: new key
+    launcher((10,), x.double(), 200, BLOCK=32, EVEN=False, num_warps=4)  # dtype: new key
+    log = launcher.fn.log
+    assert [entry[0] for entry in log] == ["jit", "compiled", "jit", "jit", "jit", "jit", "jit"]
+    # The compiled launcher gets every parameter in order, constexprs included.
+    assert log[1][1] == (5,) and log[1][2][1:] == (200, 32, False)
+
+
+def test_normal_path_off_gpu_and_when_disabled(monkeypatch):
+    fn = _JitFn()
+    x = torch.zeros(4)
+    FastLauncher(fn)((1,), x, 3, BLOCK=16, EVEN=True)
+    FastLauncher(fn)((1,), x, 3, BLOCK=16, EVEN=True)  # CPU tensor: always the JIT
+    monkeypatch.setattr(FastLauncher, "_on_gpu", staticmethod(lambda t: True))
+    monkeypatch.setenv(FAST_LAUNCH_ENV, "0")
+    launcher = FastLauncher(fn)
+    launcher((1,), x, 3, BLOCK=16, EVEN=True)
+    launcher((1,), x, 3, BLOCK=16, EVEN=True)
+    assert [entry[0] for entry in fn.log] == ["jit"] * 4
+
+
+def test_env_and_signature_errors(monkeypatch):
+    monkeypatch.setenv(FAST_LAUNCH_ENV, "yes")
+    with pytest.raises(ValueError, match="MEGATRON_OVERLAP_FAST_LAUNCH='yes'"):
+        fast_launch_enabled()
+    bad = _JitFn()
+    bad.constexprs = [1]
+    with pytest.raises(ValueError, match="constexpr parameters last"):
+        FastLauncher(bad)
+
+
+def test_real_kernels_have_constexprs_last():
+    from megatron_overlap.kernels import gemm2_gatherrs as k
+
+    for fn in (k._gemm_scatter_kernel, k._prepare_kernel, k._index_kernel, k._finalize_kernel):
+        FastLauncher(fn)
