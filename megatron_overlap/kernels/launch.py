@@ -90,5 +90,7 @@ class FastLauncher:
             compiled = self.fn[grid](*args, **meta)
             self._cache[key] = compiled
         else:
+            # The compiled kernel's runner reads grid[0], grid[1], grid[2].
+            grid = tuple(grid) + (1,) * (3 - len(grid))
             compiled[grid](*args, *(meta[name] for name in self._constexpr_names))
         return compiled

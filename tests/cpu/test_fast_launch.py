@@ -14,7 +14,8 @@ class _Compiled:
         self.log = log
 
     def __getitem__(self, grid):
-        return lambda *args: self.log.append(("compiled", grid, args))
+        # Triton's runner passes grid[0], grid[1], grid[2] to the launcher.
+        return lambda *args: self.log.append(("compiled", (grid[0], grid[1], grid[2]), args))
 
 
 class _JitFn:
@@ -52,7 +53,9 @@ def test_reuses_compiled_kernel_per_key(launcher):
     log = launcher.fn.log
     assert [entry[0] for entry in log] == ["jit", "compiled", "jit", "jit", "jit", "jit", "jit"]
     # The compiled launcher gets every parameter in order, constexprs included.
-    assert log[1][1] == (5,) and log[1][2][1:] == (200, 32, False)
+    assert log[1][1] == (5, 1, 1) and log[1][2][1:] == (200, 32, False)
+    launcher((3, 2), x, 200, BLOCK=32, EVEN=False, num_warps=4)  # a 2-D grid, padded
+    assert log[-1][:2] == ("compiled", (3, 2, 1))
 
 
 def test_normal_path_off_gpu_and_when_disabled(monkeypatch):
