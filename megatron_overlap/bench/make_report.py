@@ -153,6 +153,26 @@ def workloads(rows: list[dict], benchmark: str) -> dict:
                                                    kv[0][2] or 0, kv[0][3], kv[0][4])))
 
 
+def missing_workloads(groups: dict) -> list[str]:
+    """The (model, layout, sequence length) points of the grid the rows span (every model,
+    layout and sequence length seen in this benchmark, crossed) that have no row, one line
+    per (model, layout): a cut or partial run says so in the report instead of silently
+    shrinking the geomeans."""
+    have = {(k[0], k[1], k[3]) for k in groups}
+    models = sorted({k[0] for k in have}, key=_model_rank)
+    layouts = sorted({k[1] for k in have})
+    seqs = sorted({k[2] for k in have})
+    lines = []
+    for model in models:
+        for layout in layouts:
+            gone = [q for q in seqs if (model, layout, q) not in have]
+            if gone:
+                what = ("every sequence length" if len(gone) == len(seqs)
+                        else "seq " + ", ".join(str(q) for q in gone))
+                lines.append(f"* {model}, {layout}: {what}")
+    return lines
+
+
 def speedup(group: dict, baseline: str) -> float | None:
     """t_baseline / t_on (p50) of one workload, None when either is missing."""
     if "on" not in group or baseline not in group:
@@ -390,6 +410,10 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
         if plots.get(benchmark):
             parts += ["", f"![{benchmark} speedup vs sequence length]({plots[benchmark]})"]
         parts += ["", "Every workload:", "", workload_table(groups, benchmark)]
+        gone = missing_workloads(groups)
+        if gone:
+            parts += ["", "Not measured in these rows (the targets above leave them out):",
+                      ""] + gone
     parts += ["", "## Variants, exactly", "", labels_section(rows)]
     bad = disagreements(rows)
     parts += ["", "## Agreement with flag off", ""]

@@ -162,3 +162,24 @@ def test_operator_table_refuses_layer_rows(tmp_path):
     rows.write_text(json.dumps({"model": "m", "variant": "on", "seq_length": 64}) + "\n")
     with pytest.raises(ValueError, match="not an operator row"):
         report.load_rows(str(rows))
+
+
+def test_missing_grid_points_are_listed(tmp_path):
+    """A cut run (a model or a sequence length without rows) is named in the report."""
+    groups = mr.workloads(_layer_rows(), "layer")
+    assert mr.missing_workloads(groups) == [
+        "* qwen3-30b-a3b, tp1/ep2/dp2/sp0: seq 8192",
+        "* qwen3-30b-a3b, tp2/ep1/dp1/sp1: every sequence length",
+        "* deepseek-v2-lite, tp1/ep2/dp2/sp0: seq 8192",
+        "* deepseek-v2-lite, tp2/ep1/dp1/sp1: every sequence length",
+        "* mixtral-8x7b, tp1/ep2/dp2/sp0: every sequence length",
+        "* mixtral-8x7b, tp2/ep1/dp1/sp1: seq 4096",
+    ]
+    assert mr.missing_workloads(mr.workloads(_prefill_rows(), "prefill")) == []
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _layer_rows() + _prefill_rows()) + "\n")
+    out = tmp_path / "r.md"
+    assert mr.main([str(data), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert text.count("Not measured in these rows") == 1  # the prefill grid is complete
+    assert "* mixtral-8x7b, tp1/ep2/dp2/sp0: every sequence length" in text
