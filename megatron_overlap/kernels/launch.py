@@ -20,6 +20,7 @@ device. Off CUDA (the interpreter) it always takes the normal path.
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any, Dict, Tuple
 
@@ -36,7 +37,7 @@ def fast_launch_enabled() -> bool:
     Raises:
         ValueError: a value other than "0", "1" or empty.
     """
-    value = os.environ.get(FAST_LAUNCH_ENV, "").strip()
+    value = os.environ.get(FAST_LAUNCH_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '0' or '1'")
     return value != "0"
@@ -47,7 +48,8 @@ def _arg_key(arg: Any) -> Any:
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     if isinstance(arg, bool) or arg is None:
         return arg
-    if isinstance(arg, int):
+    if isinstance(arg, numbers.Integral):
+        arg = int(arg)
         size = 32 if -2**31 <= arg < 2**31 else (64 if -2**63 <= arg < 2**63 else 65)
         return (size, arg == 1, arg % 16 == 0)
     return (type(arg), arg)

@@ -152,7 +152,8 @@ def apply_gatherrs_args(config: TransformerConfig, args: argparse.Namespace) -> 
     if missing:
         raise ValueError(f"args lacks {missing}: parse the command line with "
                          "extra_args_provider=megatron_overlap.megatron.add_gatherrs_args")
-    saved = {n: getattr(config, n, None) for n in names}
+    absent = object()
+    saved = {n: getattr(config, n, absent) for n in names}
     try:
         for name in names:
             setattr(config, name, getattr(args, name))
@@ -161,6 +162,9 @@ def apply_gatherrs_args(config: TransformerConfig, args: argparse.Namespace) -> 
             validate_gatherrs_config(config)
     except (TypeError, ValueError):
         for name, value in saved.items():  # a rejected call leaves the config as it was
-            setattr(config, name, value)
+            if value is absent:
+                delattr(config, name)
+            else:
+                setattr(config, name, value)
         raise
     return config

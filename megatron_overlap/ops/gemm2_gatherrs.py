@@ -88,9 +88,14 @@ def _check_types(meta, options, prepared=None, plan=None) -> None:
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a resource.Plan (plan_gemm2_gatherrs) or None, got "
                         f"{type(plan).__name__}")
-    if prepared is not None and not hasattr(prepared, "run"):
-        raise TypeError(f"prepared must come from prepare_gemm2_gatherrs, got "
-                        f"{type(prepared).__name__}")
+    if prepared is not None:
+        if not hasattr(prepared, "run"):
+            raise TypeError(f"prepared must come from prepare_gemm2_gatherrs, got "
+                            f"{type(prepared).__name__}")
+        if prepared.meta is not meta:
+            raise ValueError("prepared was made for other metadata: pass the GatherRSMetadata "
+                             "object it was prepared with (a prepared call keeps that call's "
+                             "routing)")
 
 
 def prepare_gemm2_gatherrs(
@@ -115,9 +120,14 @@ def prepare_gemm2_gatherrs(
         reference backend will run the call (nothing to prepare).
 
     Raises:
-        ValueError: unknown backend; RuntimeError: "triton" where it cannot run.
+        TypeError: meta, options or plan of the wrong type.
+        ValueError: unknown backend, or w2 not [L, H, F]; RuntimeError: "triton" where it
+            cannot run.
     """
     _check_types(meta, options, plan=plan)
+    if not isinstance(w2, torch.Tensor) or w2.dim() != 3:
+        raise ValueError(f"w2 must be a [L, H, F] tensor, got "
+                         f"{tuple(w2.shape) if isinstance(w2, torch.Tensor) else type(w2)}")
     backend = resolve_backend(options.backend, h_like, w2, group)
     if backend == "reference":
         return None
@@ -155,15 +165,17 @@ def gemm2_gatherrs(
         meta: routing metadata (`metadata.build_metadata`).
         group: the tp_ep process group (R = TP * EP ranks); None when R == 1.
         options: backend, communication CTAs, timeout.
-        plan: the resource manager's plan; computed here when None.
+        plan: the resource manager's plan; computed here when None (ignored with
+            `prepared`, which carries the plan it was prepared with).
         prepared: the result of `prepare_gemm2_gatherrs` for this call, if any (a Triton
-            call is then run as prepared).
+            call is then run as prepared); it must have been prepared with this very `meta`.
 
     Returns:
         [T, H] in h's dtype: the routed experts' contribution to this rank's tokens.
 
     Raises:
-        TypeError, ValueError: bad operands (see `reference.check_operands`).
+        TypeError, ValueError: bad operands (see `reference.check_operands`), arguments of
+            the wrong type, or `prepared` made for another `meta`.
         RuntimeError: backend "triton" where it cannot run, or a bounded GPU wait expired
             (Triton: reported by the call that finds the record, this one or a later one on
             the same workspace; `GatherRSWorkspace.check_errors()` checks now).

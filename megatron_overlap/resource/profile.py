@@ -155,7 +155,9 @@ class HardwareProfile:
                 return t
         raise ValueError(f"hardware profile {self.name!r} has no tile time for tile "
                          f"{bm}x{bn}x{bk}; it has {[t.shape for t in self.tile_times]} "
-                         "(run launch/calibrate.py with --tiles)")
+                         "(launch/calibrate.py measures the default tile "
+                         "megatron_overlap.resource.DEFAULT_TILE only: plan for that tile, or "
+                         "add a tile_times entry for this shape to the profile YAML)")
 
     def to_dict(self) -> dict:
         """Plain dict in the YAML layout (`save_profile`)."""

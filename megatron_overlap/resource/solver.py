@@ -99,9 +99,16 @@ def main(argv=None) -> int:
     parser.add_argument("--bench", action="store_true",
                         help="time solve() in a C++ loop, from Python, and the Python twin")
     args = parser.parse_args(argv)
+    try:
+        chosen = implementation()  # what the resource manager will use, $SOLVER_ENV included
+    except (ValueError, ImportError) as err:
+        print(f"error: {err}")
+        return 2
     if args.bench:
         return _bench()
-    print(f"implementation: {'cpp' if _cpp is not None else 'python (C++ not built)'}")
+    name = "cpp" if chosen is _cpp else "python"
+    built = "built" if _cpp is not None else f"not built: {_CPP_ERROR}"
+    print(f"implementation: {name} (C++ extension {built})")
     return 0
 
 

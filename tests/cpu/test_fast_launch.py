@@ -3,6 +3,7 @@ the normal JIT path runs instead (the GPU tests run every kernel through it)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,10 +51,13 @@ def test_reuses_compiled_kernel_per_key(launcher):
     launcher((8,), x, 200, BLOCK=64, EVEN=False, num_warps=4)  # constexpr: new key
     launcher((9,), x, 200, BLOCK=32, EVEN=False, num_warps=8)  # option: new key
     launcher((10,), x.double(), 200, BLOCK=32, EVEN=False, num_warps=4)  # dtype: new key
+    launcher((11,), x, np.int64(300), BLOCK=32, EVEN=False, num_warps=4)  # numpy int: as 200
     log = launcher.fn.log
-    assert [entry[0] for entry in log] == ["jit", "compiled", "jit", "jit", "jit", "jit", "jit"]
+    assert [entry[0] for entry in log] == ["jit", "compiled", "jit", "jit", "jit", "jit", "jit",
+                                           "compiled"]
     # The compiled launcher gets every parameter in order, constexprs included.
     assert log[1][1] == (5, 1, 1) and log[1][2][1:] == (200, 32, False)
+    assert len(launcher._cache) == 6
     launcher((3, 2), x, 200, BLOCK=32, EVEN=False, num_warps=4)  # a 2-D grid, padded
     assert log[-1][:2] == ("compiled", (3, 2, 1))
 

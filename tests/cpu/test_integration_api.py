@@ -50,6 +50,16 @@ def test_command_line_arguments():
     assert config.moe_gatherrs_overlap is False and config.moe_gatherrs_timeout_s == 30.0
     with pytest.raises(ValueError, match="add_gatherrs_args"):
         apply_gatherrs_args(config, argparse.Namespace())
+    # Also on Megatron's own TransformerConfig, which has none of the fields before.
+    from megatron.core.transformer import TransformerConfig
+
+    plain = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                              use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="timeout"):
+        apply_gatherrs_args(plain, nan)
+    assert not any(hasattr(plain, n) for n in ("moe_gatherrs_overlap", "moe_gatherrs_backend",
+                                                "moe_gatherrs_num_comm_ctas",
+                                                "moe_gatherrs_timeout_s"))
 
 
 def test_decoder_block_spec_takes_megatrons_arguments():

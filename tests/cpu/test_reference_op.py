@@ -198,6 +198,19 @@ def test_prepare_and_type_errors_of_the_op():
         gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared="x")
     with pytest.raises(TypeError, match="plan must be a resource.Plan"):
         gemm2_gatherrs(h, w2, meta, group=None, options=opts, plan="x")
+
+    class _Prepared:  # a prepared call keeps the metadata it was made with
+        def __init__(self, meta):
+            self.meta = meta
+
+        def run(self, h, w2):
+            raise AssertionError("must not run")
+
+    other = rank_operands(case, 0)[2]
+    with pytest.raises(ValueError, match="prepared was made for other metadata"):
+        gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared=_Prepared(other))
+    with pytest.raises(ValueError, match=r"w2 must be a \[L, H, F\] tensor"):
+        prepare_gemm2_gatherrs(h, w2[0], meta, group=None, options=opts)
     with pytest.raises(RuntimeError, match="need CUDA"):
         prepare_gemm2_gatherrs(h, w2, meta, group=None,
                                options=GatherRSOptions(backend="triton"))

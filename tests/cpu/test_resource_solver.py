@@ -179,3 +179,18 @@ def test_infeasible_inputs_raise_value_error(impl):
         m.make_problem(132, 3, 3, 0, 4096, 2, 1024, 64, 1.0, 0.1, 1, 1, 300.0, 15.0)
     with pytest.raises(ValueError):
         m.make_problem(132, 3, 3, 10, 4096, 2, 1024, 64, 1.0, 0.1, 1, 1, 0.0, 15.0)
+
+
+def test_command_line_reports_the_chosen_implementation(monkeypatch, capsys):
+    """`python -m megatron_overlap.resource.solver` says which solver the resource manager
+    will use ($MEGATRON_OVERLAP_SOLVER included) and rejects a bad value."""
+    monkeypatch.setenv(solver.SOLVER_ENV, "python")
+    assert solver.main([]) == 0
+    assert capsys.readouterr().out.startswith("implementation: python")
+    monkeypatch.setenv(solver.SOLVER_ENV, "fortran")
+    assert solver.main([]) == 2
+    assert "MEGATRON_OVERLAP_SOLVER='fortran'" in capsys.readouterr().out
+    monkeypatch.delenv(solver.SOLVER_ENV)
+    assert solver.main([]) == 0
+    want = "cpp" if cpp is not None else "python"
+    assert capsys.readouterr().out.startswith(f"implementation: {want}")
