@@ -64,7 +64,9 @@ class GatherRSOptions:
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on every GPU spin-wait, in seconds (`TIMEOUT_RANGE_S`: 1e-6 to 1e6); on expiry
-    the op raises `RuntimeError` naming the rank, the segment and what it waited for."""
+    the op raises `RuntimeError` naming this rank, the rank it waited for, the counter value
+    seen and the value expected (a finalize waiting for a sender's arrivals, or a producer
+    waiting for a destination to free its receive buffer)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:

@@ -31,6 +31,7 @@ Triton interpreter on CPU) plain local tensors stand in for it.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -62,11 +63,17 @@ class GatherRSWorkspace:
         device: the CUDA device of this rank (or CPU for the interpreter).
 
     Raises:
-        ValueError: hidden < 1, or the group's size does not match `num_ranks`.
+        TypeError: hidden not an int, or dtype not a torch.dtype.
+        ValueError: hidden < 1.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], *, hidden: int, dtype: torch.dtype,
                  device: torch.device) -> None:
+        if not isinstance(hidden, numbers.Integral) or isinstance(hidden, bool):
+            raise TypeError(f"hidden={hidden!r} must be an int")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16)")
+        hidden = int(hidden)
         if hidden < 1:
             raise ValueError(f"hidden={hidden} must be >= 1")
         self.group = group
@@ -112,8 +119,15 @@ class GatherRSWorkspace:
         Every rank must call this with the same `rows` (the maximum over ranks of
         `recv_rows_per_rank`, which all ranks compute alike). Grows to 1/8 more than asked,
         so that slowly growing inputs reallocate rarely without doubling the memory.
+
+        Raises:
+            ValueError: rows < 0, or more rows than a fixed-capacity workspace
+                (`local_workspaces`) holds.
+            RuntimeError: the workspace was destroyed.
         """
         self._check_alive()
+        if rows < 0:
+            raise ValueError(f"rows={rows} must be >= 0")
         if rows <= self.capacity_rows and self._recv is not None:
             return
         if self._fixed_capacity:
@@ -141,9 +155,17 @@ class GatherRSWorkspace:
 
     def add_expected_arrivals(self, arrivals: np.ndarray) -> np.ndarray:
         """Add one call's arrivals per sender ([R] int64) to the running totals; returns the
-        new totals (the call's targets)."""
+        new totals (the call's targets).
+
+        Raises:
+            ValueError: `arrivals` is not of shape [R].
+        """
         self._check_alive()
-        self.expected_arrivals = self.expected_arrivals + np.asarray(arrivals, dtype=np.int64)
+        arrivals = np.asarray(arrivals, dtype=np.int64)
+        if arrivals.shape != self.expected_arrivals.shape:
+            raise ValueError(f"arrivals of shape {arrivals.shape}, expected "
+                             f"{self.expected_arrivals.shape} (one per rank of the group)")
+        self.expected_arrivals = self.expected_arrivals + arrivals
         return self.expected_arrivals
 
     def add_finalize_ctas(self, num_ctas: int) -> int:

@@ -296,8 +296,12 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             w2: [L, H, F] FC2 weights of the local experts.
 
         Returns:
-            [T, H] routed-expert output of this rank's tokens, shaped like the layer input's
-            token dims (`hidden_shape`), dtype of h.
+            The routed-expert output of this rank's T tokens, in the layer input's shape
+            (`hidden_shape`, e.g. [S, B, H]), dtype of h.
+
+        Raises:
+            RuntimeError: called before `dispatch_postprocess` (no metadata for this
+                forward), or a bounded GPU wait expired (see `gemm2_gatherrs`).
         """
         if self.metadata is None:
             raise RuntimeError("gemm2_gatherrs_combine called before dispatch_postprocess")

@@ -171,7 +171,9 @@ def gemm2_gatherrs(
             call is then run as prepared); it must have been prepared with this very `meta`.
 
     Returns:
-        [T, H] in h's dtype: the routed experts' contribution to this rank's tokens.
+        [T, H] in h's dtype: the routed experts' contribution to this rank's tokens. The
+        Triton backend takes bf16 / fp16 operands ("auto" falls back to the reference path
+        for others, which takes any floating dtype).
 
     Raises:
         TypeError, ValueError: bad operands (see `reference.check_operands`), arguments of

@@ -214,3 +214,23 @@ def test_prepare_and_type_errors_of_the_op():
     with pytest.raises(RuntimeError, match="need CUDA"):
         prepare_gemm2_gatherrs(h, w2, meta, group=None,
                                options=GatherRSOptions(backend="triton"))
+
+
+def test_workspace_argument_errors():
+    """The symmetric-memory workspace names a bad argument (CPU stand-in, no group)."""
+    from megatron_overlap.symm import GatherRSWorkspace, local_workspaces
+
+    with pytest.raises(TypeError, match="hidden='64' must be an int"):
+        GatherRSWorkspace(None, hidden="64", dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="must be a torch.dtype"):
+        GatherRSWorkspace(None, hidden=64, dtype="bf16", device="cpu")
+    with pytest.raises(ValueError, match="hidden=0 must be >= 1"):
+        GatherRSWorkspace(None, hidden=0, dtype=torch.float32, device="cpu")
+    ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="rows=-5 must be >= 0"):
+        ws.ensure_capacity(-5)
+    with pytest.raises(ValueError, match="one per rank of the group"):
+        ws.add_expected_arrivals([1, 2, 3])
+    fixed = local_workspaces(2, hidden=8, dtype=torch.float32, device="cpu", capacity_rows=4)
+    with pytest.raises(ValueError, match="holds 4 rows, the call needs 5"):
+        fixed[0].ensure_capacity(5)
