@@ -80,7 +80,8 @@ from prefill import (
     init_process_group,
 )
 
-from megatron_overlap.bench.cli import parse_layout
+from megatron_overlap.bench.cli import check_out_file, parse_layout
+from megatron_overlap.config import check_environment
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
@@ -733,13 +734,15 @@ def main(argv: list[str] | None = None) -> int:
         arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
         from megatron_overlap.models import load_model_shape
 
+        check_environment()  # every MEGATRON_OVERLAP_* variable, before any work
+        check_out_file(args.out)
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
         shapes = [load_model_shape(name) for name in run.models]
         for shape in shapes:
             for tp, ep in run.layouts:
                 check_shape(shape, tp, ep, run.seq_lengths)
         device = init_process_group(run.device)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:
         return _usage_error(parser, str(err))
     try:
         return benchmark(run, shapes, device)

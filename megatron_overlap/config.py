@@ -28,6 +28,26 @@ sends one entry per destination and local expert, `_tile_list_block` expands the
 comparison and debugging)."""
 
 
+def check_environment() -> None:
+    """Check every `MEGATRON_OVERLAP_*` variable of the fused path now, so that a typo fails
+    where the user can act on it (the dispatcher's construction, a launcher's argument
+    check) instead of at the first GPU launch: `MEGATRON_OVERLAP_TILE_LIST`,
+    `MEGATRON_OVERLAP_FAST_LAUNCH`, `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`.
+
+    Raises:
+        ValueError: a bad value (the message names the variable and what it accepts).
+        ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
+    """
+    from megatron_overlap.kernels.launch import fast_launch_enabled
+    from megatron_overlap.resource.profile import load_profile
+    from megatron_overlap.resource.solver import implementation
+
+    tile_list_source()
+    fast_launch_enabled()
+    load_profile()
+    implementation()
+
+
 def tile_list_source() -> str:
     """$MEGATRON_OVERLAP_TILE_LIST, "device" when unset or empty.
 

@@ -1,9 +1,10 @@
-"""argparse value types shared by the launchers in `launch/` (each error names the value and
-what was expected, and argparse turns it into a one-line usage error, exit status 2)."""
+"""argparse value types and argument checks shared by the launchers in `launch/` (each error
+names the value and what was expected, and becomes a one-line usage error, exit status 2)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def _integer(text: str, minimum: int) -> int:
@@ -118,3 +119,14 @@ def layout_label(tp: int, ep: int) -> str:
     if ep == 1:
         return f"tp{tp}"
     return f"tp{tp}ep{ep}"
+
+
+def check_out_file(path: str, flag: str = "--out") -> None:
+    """A results file argument must not name a directory (checked before the run, not when
+    the rows are written at its end).
+
+    Raises:
+        ValueError: `path` is an existing directory.
+    """
+    if path and os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory: give a file path")

@@ -27,16 +27,13 @@ from megatron.core.transformer.moe import token_dispatcher as _megatron_dispatch
 from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_overlap.config import tile_list_source
-from megatron_overlap.kernels.launch import fast_launch_enabled
+from megatron_overlap.config import check_environment
 from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 from megatron_overlap.ops.gemm2_gatherrs import triton_unavailable_reason
 from megatron_overlap.profiling import span
 from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
-from megatron_overlap.resource.profile import load_profile
-from megatron_overlap.resource.solver import implementation as solver_implementation
 
 
 def _as_list(splits) -> List[int]:
@@ -84,10 +81,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         validate_gatherrs_config(config)
-        tile_list_source()
-        fast_launch_enabled()
-        load_profile()
-        solver_implementation()
+        check_environment()
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         self.options = gatherrs_options(config)
         self.metadata: Optional[GatherRSMetadata] = None

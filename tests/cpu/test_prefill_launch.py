@@ -116,6 +116,21 @@ def test_bad_layout_exits_2(tmp_path):
     assert rows == []
 
 
+def test_bad_environment_and_out_exit_2(tmp_path, monkeypatch):
+    """A bad MEGATRON_OVERLAP_* value, or --out naming a directory, is a one-line usage
+    error (exit 2) before any work, not a traceback after it."""
+    monkeypatch.setenv("MEGATRON_OVERLAP_TILE_LIST", "gpu")
+    proc, rows = _launch(tmp_path, 1)
+    assert proc.returncode == 2, _explain(proc)
+    assert "MEGATRON_OVERLAP_TILE_LIST='gpu': expected 'device' or 'host'" in proc.stderr
+    assert "Traceback" not in proc.stderr and rows == [], _explain(proc)
+    monkeypatch.delenv("MEGATRON_OVERLAP_TILE_LIST")
+    (tmp_path / "prefill.jsonl").mkdir()  # where _launch points --out
+    proc = _launch(tmp_path, 1)[0]
+    assert proc.returncode == 2, _explain(proc)
+    assert "is a directory: give a file path" in proc.stderr, _explain(proc)
+
+
 @pytest.mark.slow
 def test_broken_flag_on_path_exits_1(tmp_path):
     wrapper = tmp_path / "broken_flag_on.py"

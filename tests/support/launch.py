@@ -51,7 +51,7 @@ def run_launcher(launcher: Path, tmp_path: Path, nproc: int, args, *, out_name: 
     cmd += [*args, "--out", str(out)]
     proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=launcher_env(),
                           capture_output=True, text=True, timeout=timeout_s)
-    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
     return proc, rows
 
 
