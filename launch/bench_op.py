@@ -40,9 +40,11 @@ import torch.nn.functional as F
 
 from megatron_overlap.bench.cli import (
     add_timing_args,
+    check_out_file,
     init_cuda_group,
     layout_label,
     layout_sizes,
+    positive_float,
     positive_int,
 )
 from megatron_overlap.bench.report import plot, table
@@ -313,9 +315,17 @@ def main() -> int:
                              "counts (rows ours[k=...])")
     parser.add_argument("--out", default="results/bench_op.jsonl",
                         help="JSON rows (appended); a PNG plot next to it")
-    parser.add_argument("--stack-dump-s", type=float, default=300.0,
+    parser.add_argument("--stack-dump-s", type=positive_float, default=300.0,
                         help="print every thread's stack each this many seconds (stuck runs)")
     args = parser.parse_args()
+    try:  # what needs no GPU is checked before the process group starts
+        for model in args.models:
+            load_model_shape(model)
+        for name in args.variants:
+            parse_tile(name)
+        check_out_file(args.out)
+    except ValueError as err:
+        parser.error(str(err))
 
     faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)  # a stuck run says where
     device = init_cuda_group(__file__)

@@ -100,12 +100,33 @@ def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def _non_negative_us(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected microseconds >= 0") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected finite microseconds >= 0")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="chrome trace JSON files")
-    parser.add_argument("--gap-us", type=float, default=30.0,
+    parser.add_argument("--gap-us", type=_non_negative_us, default=30.0,
                         help="report device idle gaps longer than this (default 30 us)")
-    parser.add_argument("--top", type=int, default=12, help="kernels listed (default 12)")
+    parser.add_argument("--top", type=_positive_count, default=12,
+                        help="kernels listed (default 12)")
     args = parser.parse_args(argv)
     for path in args.traces:
         try:

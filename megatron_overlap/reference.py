@@ -38,7 +38,8 @@ def check_operands(h: torch.Tensor, w2: torch.Tensor, meta: GatherRSMetadata) ->
     """
     for name, t in (("h", h), ("w2", w2)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {type(t).__name__}")
+            got = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a floating-point tensor, got {got}")
     if h.dtype != w2.dtype:
         raise TypeError(f"h.dtype={h.dtype} and w2.dtype={w2.dtype} must match")
     if h.dim() != 2:

@@ -198,6 +198,8 @@ def test_prepare_and_type_errors_of_the_op():
         gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared="x")
     with pytest.raises(TypeError, match="plan must be a resource.Plan"):
         gemm2_gatherrs(h, w2, meta, group=None, options=opts, plan="x")
+    with pytest.raises(TypeError, match="h must be a floating-point tensor, got a torch.int64"):
+        gemm2_gatherrs(h.long(), w2, meta, group=None, options=opts)
 
     class _Prepared:  # a prepared call keeps the metadata it was made with
         def __init__(self, meta):

@@ -157,6 +157,12 @@ def test_regret_summary_table_and_plot(tmp_path):
     ("calibrate.py", ["--dry-run", "--ffn", "0", "--out", "x.yaml"], "--ffn: '0'"),
     ("calibrate.py", ["--dry-run", "--ctas", "-1", "--out", "x.yaml"], "--ctas: '-1'"),
     ("bench_op.py", ["--iters", "0"], "--iters: '0': expected an integer >= 1"),
+    ("bench_op.py", ["--stack-dump-s", "0"], "--stack-dump-s: '0': expected a finite number"),
+    ("bench_op.py", ["--models", "nosuch"], "model 'nosuch': unknown"),
+    ("bench_op.py", ["--variants", "bogus"], "tile variant 'bogus'"),
+    ("bench_op.py", ["--out", "."], "--out '.' is a directory"),
+    ("trace_summary.py", ["t.json", "--top", "0"], "--top: '0': expected an integer >= 1"),
+    ("trace_summary.py", ["t.json", "--gap-us", "nan"], "--gap-us: 'nan': expected finite"),
     ("profile_call.py", ["--tokens", "x"], "--tokens: 'x'"),
 ])
 def test_launchers_reject_bad_values(script, args, message, tmp_path):
