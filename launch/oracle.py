@@ -40,6 +40,7 @@ if os.path.dirname(_HERE) not in sys.path:
 from megatron_overlap.bench import oracle  # noqa: E402
 from megatron_overlap.bench.cli import (  # noqa: E402
     add_timing_args,
+    check_out_file,
     init_cuda_group,
     layout_label,
     layout_sizes,
@@ -270,8 +271,11 @@ def main(argv=None) -> int:
                         help="seconds of timed runs over the whole suite for --k-step 0")
     add_timing_args(parser, warmup=3, iters=20, per="per k",
                     iters_help="; >= 20 for the issue's oracle")
-    parser.add_argument("--out", default="results/oracle.jsonl",
-                        help="JSON rows (appended); summary, table and plot next to it")
+    parser.add_argument("--out", default=None,
+                        help="JSON rows (appended); summary, table and plot next to it "
+                             "(default results/oracle.jsonl; with --dry-run "
+                             "results/oracle_dry_run.jsonl, so predicted-only rows never mix "
+                             "with measured ones)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: plans and predicted times only (one process)")
     parser.add_argument("--world", type=positive_int, default=2, help="ranks of the --dry-run")
@@ -281,6 +285,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.k_step < 0 or args.iters < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--k-step >= 0, --iters >= 1, --warmup >= 0, --world >= 1 expected")
+    if not args.dry_run:
+        given = [f"--{n.replace('_', '-')}" for n in ("num_sms", "profile")
+                 if getattr(args, n) is not None]
+        given += ["--world"] if args.world != parser.get_default("world") else []
+        if given:
+            parser.error(f"{', '.join(given)}: only with --dry-run (a GPU run uses its world "
+                         "size, SM count and the calibrated profile)")
+    if args.out is None:
+        args.out = "results/oracle_dry_run.jsonl" if args.dry_run else "results/oracle.jsonl"
+    try:  # names that need no GPU are checked before any work
+        for model in args.models:
+            load_model_shape(model)
+        if args.dry_run:
+            from megatron_overlap.resource.profile import load_profile
+
+            load_profile(args.profile)
+        check_out_file(args.out)
+    except ValueError as err:
+        parser.error(str(err))
     for layout in args.layouts or ():
         try:  # the name now; against the world size where it is known (dry run: --world)
             if args.dry_run:
@@ -290,7 +313,10 @@ def main(argv=None) -> int:
         except (ValueError, argparse.ArgumentTypeError) as err:
             parser.error(f"--layouts: {err}")
     if args.dry_run:
-        return dry_run(args)
+        try:
+            return dry_run(args)
+        except ValueError as err:  # a workload that does not fit the layout or the SMs
+            parser.error(str(err))
     return gpu_run(args)
 
 
