@@ -500,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep rows measured on a CPU (tests; not benchmark numbers)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     args = parser.parse_args(argv)
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out!r} is a directory: give the report's file path")
     try:
         raw, notes = load_rows(args.jsonl)
     except ValueError as err:

@@ -117,11 +117,13 @@ def plot(rows: List[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Table (and plot) of bench_op JSON rows")
     parser.add_argument("jsonl")
-    parser.add_argument("--plot", help="write a PNG bar chart here")
-    args = parser.parse_args()
+    parser.add_argument("--plot", help="write a PNG bar chart to this .png path")
+    args = parser.parse_args(argv)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        parser.error(f"--plot {args.plot!r}: expected a .png file path")
     try:
         rows = load_rows(args.jsonl)
     except (OSError, ValueError) as err:

@@ -14,6 +14,8 @@ remote-bound tiles first).
 
 from __future__ import annotations
 
+import numbers
+
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
@@ -150,11 +152,11 @@ _warned_fixed = False
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r}: expected an int")
     if value < 1:
         raise ValueError(f"{name}={value}: expected >= 1")
-    return value
+    return int(value)
 
 
 def plan_gemm2_gatherrs(
@@ -236,6 +238,9 @@ def plan_gemm2_gatherrs(
         max_ctas_per_sm=gpu.max_ctas_per_sm)
     grid = num_sms * o_p
 
+    for name, value in (("hidden", hidden), ("ffn", ffn)):  # checked even where unused
+        if value is not None:
+            _positive_int(name, value)
     if hidden is None or ffn is None:
         global _warned_fixed
         if not _warned_fixed:
@@ -273,8 +278,10 @@ def plan_gemm2_gatherrs(
 
     if recv_rows is None:
         recv_rows = int(meta.rows_per_expert_per_chunk.sum())
-    elif isinstance(recv_rows, bool) or not isinstance(recv_rows, int) or recv_rows < 0:
-        raise ValueError(f"recv_rows={recv_rows!r}: expected an int >= 0")
+    elif isinstance(recv_rows, bool) or not isinstance(recv_rows, numbers.Integral):
+        raise TypeError(f"recv_rows={recv_rows!r}: expected an int")
+    elif recv_rows < 0:
+        raise ValueError(f"recv_rows={recv_rows}: expected >= 0")
     us = 1.0 / _model.PS_PER_US
     finalize_us = ((recv_rows + meta.num_tokens) * hidden * elem_bytes
                    / (prof.hbm_bandwidth_gbps * 1e3))

@@ -51,12 +51,14 @@ def implementation(name: Optional[str] = None) -> ModuleType:
         ImportError: "cpp" asked for and the extension is not built (says how to build it).
     """
     global _warned
-    explicit = name is not None or bool(os.environ.get(SOLVER_ENV))
+    explicit_arg = name is not None
+    explicit = explicit_arg or bool(os.environ.get(SOLVER_ENV))
     name = name or os.environ.get(SOLVER_ENV) or "cpp"
     if name == "python":
         return twin
     if name != "cpp":
-        raise ValueError(f"{SOLVER_ENV}={name!r}: expected 'cpp' or 'python'")
+        where = "solver" if explicit_arg else SOLVER_ENV
+        raise ValueError(f"{where}={name!r}: expected 'cpp' or 'python'")
     if _cpp is not None:
         return _cpp
     if explicit:

@@ -183,3 +183,16 @@ def test_missing_grid_points_are_listed(tmp_path):
     text = out.read_text()
     assert text.count("Not measured in these rows") == 1  # the prefill grid is complete
     assert "* mixtral-8x7b, tp1/ep2/dp2/sp0: every sequence length" in text
+
+
+def test_output_paths_are_checked(tmp_path):
+    from megatron_overlap.bench import report
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _layer_rows()) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        mr.main([str(data), "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(data), "--plot", str(tmp_path)])
+    assert exit_info.value.code == 2

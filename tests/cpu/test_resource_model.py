@@ -230,6 +230,19 @@ def test_plan_bad_input():
                             **SIZES)
     with pytest.raises(ValueError, match="at least 2 CTAs"):
         plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=1, hidden=64, ffn=64)
+    # numpy ints are ints; a bad size is refused also where the plan would not use it;
+    # a non-int recv_rows is a TypeError; a bad solver argument is named as the argument.
+    import numpy as np
+
+    plan = plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=np.int64(132),
+                               hidden=np.int64(64), ffn=np.int32(64))
+    assert plan.num_ctas is not None
+    with pytest.raises(ValueError, match="hidden=-3"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), num_sms=132, hidden=-3)
+    with pytest.raises(TypeError, match="recv_rows=1.5"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), recv_rows=1.5, **SIZES)
+    with pytest.raises(ValueError, match="solver='zz'"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), solver="zz", **SIZES)
 
 
 def test_default_tile_is_the_kernels():
