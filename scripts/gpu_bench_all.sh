@@ -25,6 +25,9 @@
 # and took ~100 s on its own; prefill TP2 67 s. So ~5 min in all: the default 480 s budget
 # fits; with less, the later phases are cut (their finished models' rows stay).
 #
+# MO_WITH_OP=1 adds the operator grid (launch/bench_op.py, 4 models x 4096 / 16384 tokens x
+# ep / tp; bench_op.jsonl + bench_op.png: 8 files in all) after the layer grid, with 20 % of
+# what is left of the budget (added in v4.2; its bench_op command ran, this wrapper not yet).
 # Knobs (environment): MO_BUDGET_S (default 480: seconds for phases 1-3), MO_MODELS
 # (space-separated), MO_SEQS, MO_LAYER_ITERS (20), MO_PREFILL_ITERS (10), MO_MOE_LAYERS (2),
 # MO_NPROC (2: GPUs used), MO_LAYOUTS (default "ep<N> tp<N>"; tpXepY names with
@@ -95,6 +98,13 @@ done
 run_phase "layer grid" 45 torchrun --standalone --nproc_per_node "$nproc" launch/bench_layer.py \
   --model $models --seq-lengths $seqs --layouts $layouts \
   --warmup 3 --iters "${MO_LAYER_ITERS:-20}" --out "$out/layer.jsonl"
+
+if [[ ${MO_WITH_OP:-0} == 1 ]]; then
+  # The operator grid (~50 s on 2x H200 for these 16 workloads): bench_op.jsonl + .png.
+  run_phase "operator grid" 20 torchrun --standalone --nproc_per_node "$nproc" \
+    launch/bench_op.py --models qwen3-30b-a3b deepseek-v2-lite qwen1.5-moe-a2.7b mixtral-8x7b \
+    --tokens 4096 16384 --layouts ep tp --warmup 3 --iters 20 --out "$out/bench_op.jsonl"
+fi
 
 left_phases=${#prefill_layouts[@]}
 for layout in "${prefill_layouts[@]}"; do
