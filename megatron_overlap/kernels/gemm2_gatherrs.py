@@ -396,7 +396,7 @@ def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_exp
 def _finalize_kernel(
     recv_ptr, index_ptr, out_ptr, sig_ptr, peer_sig_ptrs, targets_ptr, done_ptr, last_done,
     num_tokens, H, num_ranks, my_rank, timeout_ns, err_ptr, C: tl.constexpr, BT: tl.constexpr,
-    BH: tl.constexpr, USE_TIMER: tl.constexpr,
+    BH: tl.constexpr, USE_TIMER: tl.constexpr, SIGNAL_FREE: tl.constexpr,
 ):
     """out[t] = sum over c < C of recv[index[t, c]] (fp32 sum, fixed order), then "receive
     buffer free" to every other rank.
@@ -406,7 +406,8 @@ def _finalize_kernel(
     counter of finished finalize CTAs, over all calls; the CTA that brings it to
     last_done + 1 is the call's last: it adds 1 to this rank's finalize count on every
     other rank (sig[num_ranks + my_rank] there; release, system scope), after which the
-    senders may store the next call's rows.
+    senders may store the next call's rows. Without SIGNAL_FREE (a repeated finalize of a
+    call) neither happens: the count must rise exactly once per call.
     """
     num_bad = 0
     for s in range(num_ranks):
@@ -430,11 +431,12 @@ def _finalize_kernel(
             acc += v.to(tl.float32)
         tl.store(out_ptr + tokens[:, None].to(tl.int64) * H + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
-    # Every thread's loads of the receive buffer have returned before the count (the loaded
-    # values were stored above); acq_rel orders them before the last CTA's signal.
-    tl.debug_barrier()
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == last_done:
-        for g in range(num_ranks):
-            if g != my_rank:
-                peer = tl.load(peer_sig_ptrs + g).to(tl.pointer_type(tl.int64))
-                tl.atomic_add(peer + num_ranks + my_rank, 1, sem="release", scope="sys")
+    if SIGNAL_FREE:
+        # Every thread's loads of the receive buffer have returned before the count (the
+        # loaded values were stored above); acq_rel orders them before the last CTA's signal.
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == last_done:
+            for g in range(num_ranks):
+                if g != my_rank:
+                    peer = tl.load(peer_sig_ptrs + g).to(tl.pointer_type(tl.int64))
+                    tl.atomic_add(peer + num_ranks + my_rank, 1, sem="release", scope="sys")
