@@ -28,9 +28,21 @@ std::string shape_of(const Counts& a) {
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }  // a >= 0, b > 0
 
-py::tuple direct_layout(const Counts& routed_arr, const Counts& counts_arr, int64_t tp,
+// An integer array as int64; floats and other kinds are refused (forcecast would truncate).
+Counts integer_counts(const py::array& a, const char* name) {
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u') {
+    fail(std::string(name) + " must be an integer array, got dtype " +
+         std::string(py::str(a.dtype())));
+  }
+  return Counts::ensure(a);
+}
+
+py::tuple direct_layout(const py::array& routed_in, const py::array& counts_in, int64_t tp,
                         int64_t ep, int64_t tp_rank, int64_t ep_rank, int64_t hidden,
                         int64_t bm, int64_t bn) {
+  const Counts routed_arr = integer_counts(routed_in, "routed");
+  const Counts counts_arr = integer_counts(counts_in, "rows_per_expert_per_chunk");
   if (tp < 1 || ep < 1 || tp_rank < 0 || tp_rank >= tp || ep_rank < 0 || ep_rank >= ep) {
     fail("tp_rank=" + std::to_string(tp_rank) + " of tp_size=" + std::to_string(tp) +
          ", ep_rank=" + std::to_string(ep_rank) + " of ep_size=" + std::to_string(ep) +
@@ -53,11 +65,18 @@ py::tuple direct_layout(const Counts& routed_arr, const Counts& counts_arr, int6
   }
   const int64_t* routed = routed_arr.data();  // [R, E] group order: tokens per expert
   const int64_t* counts = counts_arr.data();  // [L, R] chunk order: rows of (l, chunk)
+  // Every count in [0, 2^31): then no sum or product below can overflow int64.
+  const int64_t count_end = int64_t(1) << 31;
   for (int64_t i = 0; i < R * E; ++i) {
-    if (routed[i] < 0) fail("routed counts must be >= 0");
+    if (routed[i] < 0 || routed[i] >= count_end) fail("routed counts must be in [0, 2^31)");
   }
   for (int64_t i = 0; i < L * R; ++i) {
-    if (counts[i] < 0) fail("rows_per_expert_per_chunk must be >= 0");
+    if (counts[i] < 0 || counts[i] >= count_end) {
+      fail("rows_per_expert_per_chunk must be in [0, 2^31)");
+    }
+  }
+  if (hidden >= count_end || bm >= count_end || bn >= count_end) {
+    fail("hidden, bm and bn must be < 2^31");
   }
   const int64_t me = ep_rank * tp + tp_rank;
   const int64_t col_blocks = cdiv(hidden, bn);
@@ -149,7 +168,7 @@ PYBIND11_MODULE(_layout, m) {
         R"doc(Segments, arrival counts and finalize bases of one call (see DirectLayout).
 
 Args:
-    routed: [R, E] integer array, group order: every rank's tokens per expert
+    routed: [R, E] integer array (values in [0, 2^31)), group order: every rank's tokens per expert
         (meta.routed_counts); R = tp_size * ep_size, E a positive multiple of
         ep_size.
     rows_per_expert_per_chunk: [L, R] integer array, chunk order, L = E / ep_size.
@@ -161,7 +180,7 @@ Returns:
     recv_rows int64 [R], finalize_base int32 [tp_size, E], num_pairs).
 
 Raises:
-    ValueError: bad shapes, sizes, ranks or tile shape, negative counts, or a row or tile
-        coordinate that does not fit in int32.
+    ValueError: a non-integer array, bad shapes, sizes, ranks or tile shape, counts outside
+        [0, 2^31), or a row or tile coordinate that does not fit in int32.
 )doc");
 }

@@ -45,6 +45,10 @@ def _symmetric_tensor(shape, dtype, device, group):
 
     tensor = symm_mem.empty(shape, dtype=dtype, device=device)
     tensor.zero_()
+    # Zeroed before the (collective) rendezvous returns anywhere: a peer may store into this
+    # tensor as soon as its own rendezvous returns, and an asynchronous zero_ still queued
+    # here would wipe those stores.
+    torch.cuda.current_stream(device).synchronize()
     name = group.group_name
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(name)
@@ -106,6 +110,9 @@ class GatherRSWorkspace:
             )
         self._fixed_capacity = False
         self._destroyed = False
+        self._broken: Optional[str] = None  # why the workspace is unusable (`poison`)
+        self.sent_epoch = 0  # the last call sent (`start_send`)
+        self.stream = None  # the CUDA stream every call runs on (the first call's)
 
     @property
     def recv(self) -> torch.Tensor:
@@ -153,6 +160,38 @@ class GatherRSWorkspace:
         self.epoch += 1
         return self.epoch
 
+    def start_send(self, epoch: int, stream) -> None:
+        """Check that call `epoch` is sent next and on the workspace's stream.
+
+        One receive buffer serves every call: a call's local rows are ordered after the
+        previous call's finalize only by the stream, and a peer's producers wait for this
+        rank's finalizes in call order. So every call on a workspace must be sent in the
+        order the calls were prepared, on one CUDA stream (the first call's).
+
+        Raises:
+            RuntimeError: the workspace is unusable (`poison`), a call is sent out of order,
+                or on another stream.
+        """
+        self._check_alive()
+        if epoch != self.sent_epoch + 1:
+            self.poison(f"call {epoch} was sent after call {self.sent_epoch}: prepared calls "
+                        "must be run in the order they were prepared")
+            self._check_alive()
+        if self.stream is None:
+            self.stream = stream
+        elif stream != self.stream:
+            raise RuntimeError(
+                f"gemm2_gatherrs (Triton) call {epoch} sent on {stream}, the workspace's calls "
+                f"run on {self.stream}: one receive buffer serves every call, ordered by that "
+                "stream (use one stream, or another process group)")
+        self.sent_epoch = epoch
+
+    def poison(self, reason: str) -> None:
+        """Mark the workspace unusable: a call's epoch was taken (its arrivals and finalize
+        count are expected on every rank) and the call will not run, so every later call
+        would wait out the timeout. Later calls raise at once, naming `reason`."""
+        self._broken = reason
+
     def add_expected_arrivals(self, arrivals: np.ndarray) -> np.ndarray:
         """Add one call's arrivals per sender ([R] int64) to the running totals; returns the
         new totals (the call's targets).
@@ -170,8 +209,17 @@ class GatherRSWorkspace:
 
     def add_finalize_ctas(self, num_ctas: int) -> int:
         """Count one finalize launch of `num_ctas` CTAs; returns the running total (the value
-        `finalize_done` reaches when that launch's last CTA is done)."""
+        `finalize_done` reaches when that launch's last CTA is done).
+
+        The total stays below 2^31 (so the kernel argument keeps one integer type and no
+        launch recompiles): before it would pass, the device counter is zeroed on the
+        current stream (after every earlier finalize, which ran on it) and the total
+        restarts.
+        """
         self._check_alive()
+        if self.finalize_ctas + int(num_ctas) >= 2**31 - 1:
+            self.finalize_done.zero_()
+            self.finalize_ctas = 0
         self.finalize_ctas += int(num_ctas)
         return self.finalize_ctas
 
@@ -257,6 +305,10 @@ class GatherRSWorkspace:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("GatherRSWorkspace was destroyed; create a new one")
+        if self._broken is not None:
+            raise RuntimeError(f"GatherRSWorkspace of tp_ep rank {self.rank} is unusable: "
+                               f"{self._broken}. The ranks' counters are out of step; "
+                               "destroy it and build a new one on every rank.")
 
 
 def local_workspaces(num_ranks: int, *, hidden: int, dtype: torch.dtype, device,

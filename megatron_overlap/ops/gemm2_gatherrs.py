@@ -93,9 +93,11 @@ def _check_types(meta, options, prepared=None, plan=None) -> None:
             raise TypeError(f"prepared must come from prepare_gemm2_gatherrs, got "
                             f"{type(prepared).__name__}")
         if prepared.meta is not meta:
+            prepared.ws.poison(f"call {prepared.epoch} was prepared but not run (run with "
+                               "other metadata)")
             raise ValueError("prepared was made for other metadata: pass the GatherRSMetadata "
                              "object it was prepared with (a prepared call keeps that call's "
-                             "routing)")
+                             "routing; its workspace is unusable now)")
 
 
 def prepare_gemm2_gatherrs(

@@ -180,8 +180,8 @@ def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> Dire
     Raises:
         ValueError: `meta` lacks `routed_counts` (built without the exchanged counts), or a
             row or tile coordinate does not fit in int32; with the C++ extension also counts
-            of the wrong shape or negative, hidden < 0, bm < 1 or bn < 1 (unchecked by the
-            twin).
+            of the wrong shape, not integers or outside [0, 2^31), hidden < 0, bm < 1 or
+            bn < 1 (unchecked by the twin).
     """
     if meta.routed_counts is None:
         raise ValueError("metadata without routed_counts: build it with build_metadata(...)")
@@ -324,17 +324,16 @@ def _record_resources(key, handle) -> None:
             pass
 
 
-_allocator_set = False
+def _scratch_alloc(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_allocator() -> None:
     """Device-side TMA descriptors (`tl.make_tensor_descriptor`) need Triton's scratch
-    allocator; it takes memory from PyTorch's caching allocator."""
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(
-            lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_set = True
+    allocator; it takes memory from PyTorch's caching allocator. Set at every launch: Triton
+    keeps it per thread (a context variable), and a launch from another thread would find
+    none."""
+    triton.set_allocator(_scratch_alloc)
 
 
 class _Call:
@@ -457,15 +456,20 @@ class _Call:
         """Launch the GEMM2 + scatter kernel on h [N, F] and w2 [L, H, F].
 
         Raises:
-            RuntimeError: called twice.
-            ValueError: h / w2 do not match the prepared hidden size, dtype or device.
+            RuntimeError: called twice; sent out of prepare order or on another stream than
+                the workspace's earlier calls (`GatherRSWorkspace.start_send`).
+            ValueError: h / w2 do not match the prepared hidden size, dtype or device (the
+                workspace is unusable afterwards: this call's epoch is taken on every rank).
         """
         if self.sent:
             raise RuntimeError("this prepared gemm2_gatherrs call was already run")
         if w2.shape[1] != self.hidden or h.dtype != self.dtype or h.device != self.device:
+            self.ws.poison(f"call {self.epoch} was prepared but not run (bad operands)")
             raise ValueError(
                 f"call prepared for hidden={self.hidden}, {self.dtype} on {self.device}; got "
                 f"w2 {tuple(w2.shape)}, h {h.dtype} on {h.device}")
+        self.ws.start_send(self.epoch,
+                           torch.cuda.current_stream(self.device) if self.gpu else None)
         self.h, self.w2 = h.contiguous(), w2.contiguous()
         row_bytes = self.h.shape[1] * self.h.element_size()
         self.use_tma = self.gpu and row_bytes % 16 == 0 and all(

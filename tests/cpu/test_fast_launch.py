@@ -38,6 +38,7 @@ class _JitFn:
 @pytest.fixture
 def launcher(monkeypatch):
     monkeypatch.setattr(FastLauncher, "_on_gpu", staticmethod(lambda t: True))
+    monkeypatch.setattr(FastLauncher, "_device", staticmethod(lambda: 0))
     monkeypatch.delenv(FAST_LAUNCH_ENV, raising=False)
     return FastLauncher(_JitFn())
 
@@ -62,12 +63,24 @@ def test_reuses_compiled_kernel_per_key(launcher):
     assert log[-1][:2] == ("compiled", (3, 2, 1))
 
 
+def test_numpy_ints_and_unkeyed_arguments(launcher):
+    x = torch.zeros(4)
+    launcher((1,), x, np.int32(7), BLOCK=16, EVEN=True)  # reaches Triton as a Python int
+    assert type(launcher.fn.log[-1][2][1]) is int
+    launcher((1,), x, 2.5, BLOCK=16, EVEN=True)
+    launcher((1,), x, 3.5, BLOCK=16, EVEN=True)  # floats: one key
+    launcher((1,), x, "s", BLOCK=16, EVEN=True)  # no key: the JIT, not an error
+    launcher((1,), x, "s", BLOCK=16, EVEN=True)
+    assert [e[0] for e in launcher.fn.log] == ["jit", "jit", "compiled", "jit", "jit"]
+
+
 def test_normal_path_off_gpu_and_when_disabled(monkeypatch):
     fn = _JitFn()
     x = torch.zeros(4)
     FastLauncher(fn)((1,), x, 3, BLOCK=16, EVEN=True)
     FastLauncher(fn)((1,), x, 3, BLOCK=16, EVEN=True)  # CPU tensor: always the JIT
     monkeypatch.setattr(FastLauncher, "_on_gpu", staticmethod(lambda t: True))
+    monkeypatch.setattr(FastLauncher, "_device", staticmethod(lambda: 0))
     monkeypatch.setenv(FAST_LAUNCH_ENV, "0")
     launcher = FastLauncher(fn)
     launcher((1,), x, 3, BLOCK=16, EVEN=True)

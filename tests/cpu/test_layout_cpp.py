@@ -81,7 +81,7 @@ def test_real_metadata(tp, ep):
 
 
 @pytest.mark.parametrize("hidden,bn,routed", [
-    (2**31, 1, 1),        # first tile / tile count
+    (2**30, 1, 1),        # first tile / tile count
     (64, 64, 2**30),      # a row of h (L * R runs of 2**30 rows)
 ])
 def test_int32_overflow(hidden, bn, routed):
@@ -98,13 +98,17 @@ def test_bad_input():
             "bn": 16}
     assert cpp.direct_layout(**good)[0].shape == (16, 6)  # any integer dtype goes
     for change, match in [
-        ({"routed": np.ones((3, 8))}, r"routed must be \[R=4, E\].*\(3, 8\)"),
-        ({"routed": np.ones((4, 7))}, r"positive multiple of ep_size=2"),
-        ({"routed": np.ones((4, 0))}, r"positive multiple"),
-        ({"routed": np.ones(4)}, r"got shape \(4,\)"),
-        ({"rows_per_expert_per_chunk": np.ones((4, 2))}, r"\[L=4, R=4\], got shape \(4, 2\)"),
-        ({"rows_per_expert_per_chunk": -np.ones((4, 4))}, r"must be >= 0"),
-        ({"routed": -routed}, r"must be >= 0"),
+        ({"routed": np.ones((3, 8), int)}, r"routed must be \[R=4, E\].*\(3, 8\)"),
+        ({"routed": np.ones((4, 7), int)}, r"positive multiple of ep_size=2"),
+        ({"routed": np.ones((4, 0), int)}, r"positive multiple"),
+        ({"routed": np.ones(4, int)}, r"got shape \(4,\)"),
+        ({"rows_per_expert_per_chunk": np.ones((4, 2), int)},
+         r"\[L=4, R=4\], got shape \(4, 2\)"),
+        ({"rows_per_expert_per_chunk": -np.ones((4, 4), int)}, r"must be in \[0, 2\^31\)"),
+        ({"routed": -routed}, r"must be in \[0, 2\^31\)"),
+        ({"routed": routed * 2**31}, r"routed counts must be in \[0, 2\^31\)"),
+        ({"routed": routed * 1.7}, r"routed must be an integer array, got dtype float64"),
+        ({"hidden": 2**31}, r"must be < 2\^31"),
         ({"tp_rank": 2}, r"tp_rank=2 of tp_size=2"),
         ({"ep_size": 0}, r"expected sizes >= 1"),
         ({"bm": 0}, r"bm >= 1"),

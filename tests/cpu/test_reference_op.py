@@ -201,16 +201,22 @@ def test_prepare_and_type_errors_of_the_op():
     with pytest.raises(TypeError, match="h must be a floating-point tensor, got a torch.int64"):
         gemm2_gatherrs(h.long(), w2, meta, group=None, options=opts)
 
-    class _Prepared:  # a prepared call keeps the metadata it was made with
+    from megatron_overlap.symm import GatherRSWorkspace
+
+    class _Prepared:  # a prepared call keeps the metadata (and epoch) it was made with
         def __init__(self, meta):
-            self.meta = meta
+            self.meta, self.epoch = meta, 1
+            self.ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
 
         def run(self, h, w2):
             raise AssertionError("must not run")
 
     other = rank_operands(case, 0)[2]
+    stale = _Prepared(other)
     with pytest.raises(ValueError, match="prepared was made for other metadata"):
-        gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared=_Prepared(other))
+        gemm2_gatherrs(h, w2, meta, group=None, options=opts, prepared=stale)
+    with pytest.raises(RuntimeError, match="unusable: call 1 was prepared but not run"):
+        stale.ws.next_epoch()  # its epoch was taken on every rank: fail fast from now on
     with pytest.raises(ValueError, match=r"w2 must be a \[L, H, F\] tensor"):
         prepare_gemm2_gatherrs(h, w2[0], meta, group=None, options=opts)
     with pytest.raises(RuntimeError, match="need CUDA"):
@@ -236,3 +242,28 @@ def test_workspace_argument_errors():
     fixed = local_workspaces(2, hidden=8, dtype=torch.float32, device="cpu", capacity_rows=4)
     with pytest.raises(ValueError, match="holds 4 rows, the call needs 5"):
         fixed[0].ensure_capacity(5)
+
+
+def test_workspace_call_order_stream_and_counter_reset():
+    """One receive buffer serves every call: calls must be sent in prepare order on one
+    stream; a skipped call makes the workspace fail fast; the finalize-CTA total restarts
+    before it would leave int32."""
+    from megatron_overlap.symm import GatherRSWorkspace
+
+    ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+    ws.start_send(ws.next_epoch(), "s0")
+    ws.start_send(ws.next_epoch(), "s0")
+    with pytest.raises(RuntimeError, match="sent on s1, the workspace's calls run on s0"):
+        ws.start_send(ws.next_epoch(), "s1")
+    ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+    ws.next_epoch()
+    second = ws.next_epoch()
+    with pytest.raises(RuntimeError, match="call 2 was sent after call 0"):
+        ws.start_send(second, None)
+    with pytest.raises(RuntimeError, match="unusable"):
+        ws.next_epoch()
+    ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+    ws.finalize_done.fill_(2**31 - 10)
+    ws.finalize_ctas = 2**31 - 10
+    assert ws.add_finalize_ctas(20) == 20 and int(ws.finalize_done) == 0
+    assert ws.add_finalize_ctas(5) == 25

@@ -154,6 +154,9 @@ def _simulate() -> dict:
             counts = [int(ws[s].signals[r + g]) for s in range(r) if s != g]
             if report[key] is None and counts != [calls[g].epoch] * (r - 1):
                 report[key] = f"finalize counts of rank {g}: {counts}, want {calls[g].epoch}"
+            done = int(ws[g].finalize_done)
+            if report[key] is None and done != ws[g].finalize_ctas:
+                report[key] = f"finalize CTAs done {done}, launched {ws[g].finalize_ctas}"
     report["index"] = _index_mismatch()
     report["tile_list"] = _tile_list_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
@@ -182,8 +185,9 @@ def _simulate() -> dict:
     h, w2, meta = rank_operands(case, 0)
     call = _Call(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
                  timeout_s=0.02)
-    call.send(h, w2)
+    ws[1].recv.fill_(-7.0)  # poison: a store into rank 1's buffer would show
     stored = ws[1].recv.clone()
+    call.send(h, w2)
     try:
         call.finish()
         report["producer_timeout"] = "no error raised"
@@ -212,6 +216,7 @@ def test_kernels_in_interpreter():
     assert producer_msg.startswith(
         "gemm2_gatherrs (Triton) on tp_ep rank 0: the GEMM2 producer timed out waiting for "
         "rank 1 to free its receive buffer: its finalize count 0, expected >= 1"), producer_msg
+    assert "overwritten" not in producer_msg, producer_msg
     bad = {k: v for k, v in report.items() if v is not None}
     assert not bad, bad
     assert len(report) == sum(c.tp * c.ep for c in _cases())
