@@ -17,6 +17,11 @@ One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
     almost never waits: between two calls lies the rest of the layer (or model).
 * this rank's count of finished finalize CTAs (int64, local), which tells a finalize CTA
   that it is its call's last.
+* the order of the calls: one buffer means a call's local rows are ordered after the
+  previous call's finalize by the stream alone, and peers wait for this rank's finalizes in
+  call order, so every call on a workspace is sent in the order it was prepared, on one
+  CUDA stream (`start_send` checks both). A call prepared but never run leaves its epoch
+  taken on every rank: the workspace is then unusable (`poison`) and says so at once.
 * the local (non-symmetric) error record the kernels write on a timeout, and its pinned
   host copy, read asynchronously (`record_error_check`, `check_errors`).
 
