@@ -114,6 +114,15 @@ def _tile_list_mismatch():
     return "; ".join(problems) or None
 
 
+def _finish_error(call) -> str:
+    """The RuntimeError message of `call.finish()`, or "no error raised"."""
+    try:
+        call.finish()
+    except RuntimeError as err:
+        return str(err)
+    return "no error raised"
+
+
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
     import torch
@@ -167,11 +176,7 @@ def _simulate() -> dict:
     call = _Call(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
                  timeout_s=0.02)
     call.send(h, w2)
-    try:
-        call.finish()
-        report["timeout"] = "no error raised"
-    except RuntimeError as err:
-        report["timeout"] = str(err)
+    report["timeout"] = _finish_error(call)
     # A receive buffer still in use: rank 1 sends call 1 but never finalizes it, so rank 0's
     # producer must time out before storing call 2's rows into rank 1's buffer.
     ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
@@ -188,11 +193,7 @@ def _simulate() -> dict:
     ws[1].recv.fill_(-7.0)  # poison: a store into rank 1's buffer would show
     stored = ws[1].recv.clone()
     call.send(h, w2)
-    try:
-        call.finish()
-        report["producer_timeout"] = "no error raised"
-    except RuntimeError as err:
-        report["producer_timeout"] = str(err)
+    report["producer_timeout"] = _finish_error(call)
     if not torch.equal(stored, ws[1].recv):
         report["producer_timeout"] += " (and rank 1's buffer was overwritten)"
     return report
