@@ -1,5 +1,6 @@
 """The Triton GEMM2 + GatherRS kernels on GPUs: against the reference, across calls, CTA
-counts and layouts, plus the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs,
+counts and layouts, back-to-back calls with a late finalize (the one-buffer protocol), plus
+the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs,
 world 4 (TP2 x EP2, EP4, TP4) needs 4 (not run yet: no 4-GPU machine has been lent).
 
 bf16 tolerance 2 ** -6 relative to the case's largest |output| (as the CPU suites): the
@@ -113,6 +114,53 @@ def _op_worker(rank: int, world: int) -> dict:
 def test_triton_matches_reference(world):
     _needs_gpus(world)
     results = run_distributed(_op_worker, world, timeout_s=580, backend="nccl")
+    for rank, report in enumerate(results):
+        bad = {k: v for k, v in report.items() if v is not None}
+        assert not bad, (rank, bad)
+
+
+def _back_to_back_worker(rank: int, world: int) -> dict:
+    """Triton calls back to back with no host sync between them, one rank's finalize made
+    late each call (a GPU sleep before it): the other rank's next producer must wait until
+    that finalize has read its buffer (one receive buffer serves every call), else the late
+    finalize sums the next call's rows. Checked against the reference, computed first."""
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
+
+    group = dist.group.WORLD
+    routings = ("uniform", "skewed", "sparse")
+    cases = [OpCase(1, world, num_experts=8 * world, topk=2, hidden=512, ffn=256,
+                    tokens_per_rank=[300 + 37 * ((i + g) % 5) for g in range(world)],
+                    routing=routings[i % 3], dtype=torch.bfloat16, seed=100 + i)
+             for i in range(24)]
+    operands = []
+    for case in cases:
+        h, w2, meta = rank_operands(case, rank)
+        operands.append((h.cuda(), w2.cuda(), meta.to("cuda")))
+    triton_opts = GatherRSOptions(backend="triton", timeout_s=20.0)
+    with torch.no_grad():
+        refs = [gemm2_gatherrs(h, w2, meta, group=group,
+                               options=GatherRSOptions(backend="reference"))
+                for h, w2, meta in operands]
+        gemm2_gatherrs(*operands[-1], group=group, options=triton_opts)  # compile, grow
+        torch.cuda.synchronize()
+        dist.barrier()
+        outs = []
+        for i, (h, w2, meta) in enumerate(operands):
+            call = prepare_gemm2_gatherrs(h, w2, meta, group=group, options=triton_opts)
+            call.send(h, w2)
+            if rank == i % world:
+                torch.cuda._sleep(3_000_000)  # ~1.5 ms: this rank's finalize runs late
+            outs.append(call.finish())
+        torch.cuda.synchronize()
+    return {f"call {i}": describe_mismatch(out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
+            for i, (out, ref) in enumerate(zip(outs, refs))}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_back_to_back_calls_with_a_late_finalize(world):
+    _needs_gpus(world)
+    results = run_distributed(_back_to_back_worker, world, timeout_s=300, backend="nccl")
     for rank, report in enumerate(results):
         bad = {k: v for k, v in report.items() if v is not None}
         assert not bad, (rank, bad)
