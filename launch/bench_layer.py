@@ -80,8 +80,7 @@ from prefill import (
     init_process_group,
 )
 
-from megatron_overlap.bench.cli import check_out_file, parse_layout
-from megatron_overlap.config import check_environment
+from megatron_overlap.bench.cli import check_launch_inputs, parse_layout
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
@@ -734,8 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
         from megatron_overlap.models import load_model_shape
 
-        check_environment()  # every MEGATRON_OVERLAP_* variable, before any work
-        check_out_file(args.out)
+        check_launch_inputs(args.out)
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
         shapes = [load_model_shape(name) for name in run.models]
         for shape in shapes:

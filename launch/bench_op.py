@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from megatron_overlap.bench.cli import (
     add_timing_args,
-    check_out_file,
+    check_launch_inputs,
     init_cuda_group,
     layout_label,
     layout_sizes,
@@ -323,8 +323,8 @@ def main() -> int:
             load_model_shape(model)
         for name in args.variants:
             parse_tile(name)
-        check_out_file(args.out)
-    except ValueError as err:
+        check_launch_inputs(args.out)
+    except (ValueError, ImportError) as err:
         parser.error(str(err))
 
     faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)  # a stuck run says where

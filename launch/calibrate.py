@@ -41,7 +41,7 @@ if os.path.dirname(_HERE) not in sys.path:
 
 from megatron_overlap.bench.cli import (  # noqa: E402
     add_timing_args,
-    check_out_file,
+    check_launch_inputs,
     init_cuda_group,
     non_negative_int,
     positive_int,
@@ -259,8 +259,8 @@ def main(argv=None) -> int:
                      f"K-step counts (ceil(F / {DEFAULT_TILE[2]})), got {sorted(ksteps)}")
     try:
         base = load_profile(args.base)
-        check_out_file(args.out)
-    except ValueError as err:
+        check_launch_inputs(args.out)
+    except (ValueError, ImportError) as err:
         parser.error(str(err))
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 

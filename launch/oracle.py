@@ -40,7 +40,7 @@ if os.path.dirname(_HERE) not in sys.path:
 from megatron_overlap.bench import oracle  # noqa: E402
 from megatron_overlap.bench.cli import (  # noqa: E402
     add_timing_args,
-    check_out_file,
+    check_launch_inputs,
     init_cuda_group,
     layout_label,
     layout_sizes,
@@ -301,8 +301,8 @@ def main(argv=None) -> int:
             from megatron_overlap.resource.profile import load_profile
 
             load_profile(args.profile)
-        check_out_file(args.out)
-    except ValueError as err:
+        check_launch_inputs(args.out)
+    except (ValueError, ImportError) as err:
         parser.error(str(err))
     for layout in args.layouts or ():
         try:  # the name now; against the world size where it is known (dry run: --world)

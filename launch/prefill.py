@@ -64,8 +64,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without `pip install`
 
-from megatron_overlap.bench.cli import check_out_file, non_negative_int, positive_int  # noqa: E402
-from megatron_overlap.config import check_environment  # noqa: E402
+from megatron_overlap.bench.cli import (  # noqa: E402
+    check_launch_inputs,
+    non_negative_int,
+    positive_int,
+)
 from megatron_overlap.bench.measure import (  # after the sys.path line
     Timer,
     allocated_bytes,
@@ -1430,8 +1433,7 @@ def main(argv: list[str] | None = None) -> int:
         arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
         from megatron_overlap.models import load_model_shape
 
-        check_environment()  # every MEGATRON_OVERLAP_* variable, before any work
-        check_out_file(args.out)
+        check_launch_inputs(args.out)
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
         shapes = [load_model_shape(name) for name in run.models]
         for shape in shapes:

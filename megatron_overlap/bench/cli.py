@@ -121,12 +121,17 @@ def layout_label(tp: int, ep: int) -> str:
     return f"tp{tp}ep{ep}"
 
 
-def check_out_file(path: str, flag: str = "--out") -> None:
-    """A results file argument must not name a directory (checked before the run, not when
-    the rows are written at its end).
+def check_launch_inputs(out: str, flag: str = "--out") -> None:
+    """What every launcher checks before any work: each `MEGATRON_OVERLAP_*` variable
+    (`megatron_overlap.config.check_environment`) and that the results file `out` does not
+    name a directory (otherwise found only when the rows are written, at the end).
 
     Raises:
-        ValueError: `path` is an existing directory.
+        ValueError: a bad variable, or `out` is an existing directory.
+        ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
-    if path and os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a directory: give a file path")
+    from megatron_overlap.config import check_environment
+
+    check_environment()
+    if out and os.path.isdir(out):
+        raise ValueError(f"{flag} {out!r} is a directory: give a file path")

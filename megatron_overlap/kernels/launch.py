@@ -46,11 +46,15 @@ def fast_launch_enabled() -> bool:
     return value != "0"
 
 
+_PLAIN = (torch.Tensor, int, float, bool, type(None))
+
+
 def _as_kernel_arg(arg: Any) -> Any:
-    """numpy and other integral scalars as Python ints (Triton's JIT rejects numpy ints)."""
-    if isinstance(arg, numbers.Integral) and not isinstance(arg, (bool, int)):
-        return int(arg)
-    return arg
+    """numpy and other integral scalars as Python ints (Triton's JIT rejects numpy ints).
+    The common kinds return at the first check: this runs for every argument of a launch."""
+    if type(arg) in _PLAIN or isinstance(arg, torch.Tensor):
+        return arg
+    return int(arg) if isinstance(arg, numbers.Integral) else arg
 
 
 def _arg_key(arg: Any) -> Any:

@@ -52,6 +52,13 @@ def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0):
     return out, ref
 
 
+def _assert_clean(results: list) -> None:
+    """Every rank's {check: mismatch or None} report holds no mismatch."""
+    for rank, report in enumerate(results):
+        bad = {k: v for k, v in report.items() if v is not None}
+        assert not bad, (rank, bad)
+
+
 def _layouts(world: int):
     return {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(2, 2), (1, 4), (4, 1)]}[world]
 
@@ -113,10 +120,7 @@ def _op_worker(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_triton_matches_reference(world):
     _needs_gpus(world)
-    results = run_distributed(_op_worker, world, timeout_s=580, backend="nccl")
-    for rank, report in enumerate(results):
-        bad = {k: v for k, v in report.items() if v is not None}
-        assert not bad, (rank, bad)
+    _assert_clean(run_distributed(_op_worker, world, timeout_s=580, backend="nccl"))
 
 
 def _back_to_back_worker(rank: int, world: int) -> dict:
@@ -160,10 +164,8 @@ def _back_to_back_worker(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_back_to_back_calls_with_a_late_finalize(world):
     _needs_gpus(world)
-    results = run_distributed(_back_to_back_worker, world, timeout_s=300, backend="nccl")
-    for rank, report in enumerate(results):
-        bad = {k: v for k, v in report.items() if v is not None}
-        assert not bad, (rank, bad)
+    _assert_clean(run_distributed(_back_to_back_worker, world, timeout_s=300,
+                                  backend="nccl"))
 
 
 def _timeout_worker(rank: int, world: int) -> list:
