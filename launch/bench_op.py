@@ -236,15 +236,12 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         # timed part is the launches and the GPU work.
         results["ours_prepared"] = timed_prepared(prepare, h, w2, args)
         results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters)
-        variant_errs = {}
         for name in args.variants:  # other tile configurations / schedules, same inputs
             tile, per_sm = parse_tile(name)
             v_plan = dataclasses.replace(plan, num_ctas=per_sm * num_sms, source="forced")
-            call = one_call(tile, v_plan)  # compiles; its result is checked
-            variant_errs[name] = float((call.out.float() - ref.float()).abs().max()
-                                       / ref.float().abs().max())
             results[f"ours[{name}]"] = timed_prepared(lambda: prepare(tile, v_plan), h, w2,
                                                       args)
+            call = one_call(tile, v_plan)
             results[f"nocomm[{name}]"] = timed(call.gemm_only, args.warmup, args.iters)
         for kc in args.comm_ctas:  # the SM partition forced
             forced = dataclasses.replace(plan, num_comm_ctas=kc, source="forced")
@@ -260,7 +257,6 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
     common = dict(model=model, tokens_per_rank=tokens, layout=layout_label(tp, ep),
                   routing=args.routing, hidden=hidden, ffn_per_rank=ffn, local_experts=num_local,
                   topk=topk, rows=n, remote_bytes=remote_bytes, max_rel_err_vs_prereduced=err,
-                  max_rel_err_variants=variant_errs,
                   gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
     # every rank's p50 -> the slowest rank is the op's time
     rows_out = []
@@ -273,19 +269,18 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
 
 
 def parse_tile(name: str):
-    """'128x256x64w8s3' (+ 'dyn' for dynamic claims or 'flat' for the flattened tile loop,
-    + 'g2' for two CTAs per SM) -> (TileConfig, CTAs per SM)."""
+    """'128x256x64w8s3' (+ 'dyn' for dynamic claims, + 'g2' for two CTAs per SM) ->
+    (TileConfig, CTAs per SM)."""
     import re
 
     from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
 
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(dyn|flat)?(g2)?", name)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(dyn)?(g2)?", name)
     if not m:
-        raise ValueError(f"tile variant {name!r}: expected e.g. 128x256x64w8s3, "
-                         "128x256x64w8s3flat or 128x128x64w8s3dyn")
+        raise ValueError(f"tile variant {name!r}: expected e.g. 128x256x64w8s3 or "
+                         "128x128x64w8s3dyn")
     bm, bn, bk, w, st = (int(x) for x in m.groups()[:5])
-    tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) != "dyn",
-                      flat=m.group(6) == "flat")
+    tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) is None)
     return tile, 2 if m.group(7) else 1
 
 

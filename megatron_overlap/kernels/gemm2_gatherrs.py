@@ -110,22 +110,11 @@ def _record_error(err_ptr, code, rank, seen, expected):
 
 
 @triton.jit
-def _signal(peer_sig_ptrs, dest, my_rank, count, ASM_BARRIER: tl.constexpr = False):
-    """Add `count` arrivals from this rank to `dest`'s counter (after every thread's stores).
-
-    The CTA barrier orders every thread's peer stores before the release (system scope)
-    add. ASM_BARRIER: the barrier as inline PTX `bar.sync 0` (same instruction) instead of
-    `tl.debug_barrier()`, whose IR op stops Triton's software pipeliner from pipelining a
-    loop that contains it (the flattened tile loop); GPU only.
-    """
-    if ASM_BARRIER:
-        zero = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.debug_barrier()
-        zero = 0
+def _signal(peer_sig_ptrs, dest, my_rank, count):
+    """Add `count` arrivals from this rank to `dest`'s counter (after every thread's stores)."""
+    tl.debug_barrier()
     sig = tl.load(peer_sig_ptrs + dest).to(tl.pointer_type(tl.int64))
-    tl.atomic_add(sig + my_rank, (count + zero).to(tl.int64), sem="release", scope="sys")
+    tl.atomic_add(sig + my_rank, count.to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
@@ -210,77 +199,6 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, peer_sig_
     return pend_dest, pend, free_dest, free_ok
 
 
-@triton.jit
-def _flat_static_loop(a_desc, b_desc, tiles_ptr, total, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
-                      my_rank, num_ranks, freed_target, timeout_ns, err_ptr, F, H,
-                      out_dtype: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, USE_TIMER: tl.constexpr):
-    """The static schedule's tiles of this CTA as ONE loop over (tile, K step) pairs.
-
-    Same work and signals as `_run_tile` over tiles pid, pid + G, ...; but with the K loop
-    flattened into the tile loop, the software pipeliner issues the next tile's first TMA
-    loads while this tile's epilogue stores run (a K loop per tile starts every tile with
-    an empty pipeline: at F = 768, 12 K steps, that fill is a large share of the tile).
-    TMA descriptors only. Returns the CTA's pending-signal state (destination, count).
-    """
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    k_tiles = tl.cdiv(F, BK)
-    n_mine = tl.cdiv(total - pid, grid)
-    pend_dest = my_rank
-    pend = 0
-    free_dest = my_rank
-    free_ok = 1
-    t = pid - grid
-    ki = k_tiles - 1
-    expert = 0
-    r0 = 0
-    n0 = 0
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, tl.maximum(n_mine, 0) * k_tiles):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-        if ki == 0:
-            t += grid
-            expert = tl.load(tiles_ptr + t * 6 + 0)
-            r0 = tl.load(tiles_ptr + t * 6 + 1)
-            n0 = tl.load(tiles_ptr + t * 6 + 3)
-        a = a_desc.load([r0, ki * BK])
-        b = b_desc.load([expert * H + n0, ki * BK])
-        acc = tl.dot(a, b.T, acc)
-        if ki == k_tiles - 1:
-            tile_ptr = tiles_ptr + t * 6
-            dest = tl.load(tile_ptr + 4)
-            remote = dest != my_rank
-            if remote:
-                if dest != free_dest:
-                    seen = _wait_at_least(sig_ptr + num_ranks + dest, freed_target, timeout_ns,
-                                          "sys", USE_TIMER)
-                    free_ok = (seen >= freed_target).to(tl.int32)
-                    if free_ok == 0:
-                        _record_error(err_ptr, _ERR_PRODUCER_WAIT, dest, seen, freed_target)
-                    free_dest = dest
-            store_ok = tl.where(remote, free_ok, 1)
-            r1 = tl.load(tile_ptr + 2)
-            dest_row = tl.load(tile_ptr + 5)
-            rows = tl.arange(0, BM)
-            cols = tl.multiple_of(n0, BN) + tl.arange(0, BN)
-            dst = tl.multiple_of(
-                tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(out_dtype)), 16)
-            out_rows = (dest_row + rows).to(tl.int64)
-            r_end = tl.where(store_ok != 0, r1, r0)
-            tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(out_dtype),
-                     mask=(r0 + rows[:, None] < r_end) & (cols[None, :] < H))
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if remote & (store_ok != 0):
-                if dest != pend_dest:
-                    if pend > 0:
-                        _signal(peer_sig_ptrs, pend_dest, my_rank, pend, USE_TIMER)
-                    pend_dest = dest
-                    pend = 0
-                pend += 1
-    return pend_dest, pend
-
-
 # Sizes that change every call are not specialised on (one compiled variant per model
 # shape); the strides, F and H are (16-divisibility makes the loads vectorise and the K loop
 # software-pipeline).
@@ -291,7 +209,7 @@ def _gemm_scatter_kernel(
     peer_sig_ptrs, sig_ptr, my_rank, num_ranks, num_comm, freed_target, timeout_ns, err_ptr,
     N, F, H, L, stride_h, stride_wl, stride_wn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-    STATIC: tl.constexpr, USE_TIMER: tl.constexpr, FLAT: tl.constexpr = False,
+    STATIC: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
     """Run this CTA's share of the GEMM2 tiles; see the module docstring.
 
@@ -314,12 +232,7 @@ def _gemm_scatter_kernel(
     pend = 0
     free_dest = my_rank  # the last remote destination found free, and whether it was
     free_ok = 1
-    if STATIC and FLAT and USE_TMA:
-        pend_dest, pend = _flat_static_loop(
-            a_desc, b_desc, tiles_ptr, num_remote + num_local, peer_recv_ptrs, peer_sig_ptrs,
-            sig_ptr, my_rank, num_ranks, freed_target, timeout_ns, err_ptr, F, H,
-            h_ptr.dtype.element_ty, BM, BN, BK, USE_TIMER)
-    elif STATIC:
+    if STATIC:
         for t in range(pid, num_remote + num_local, grid):
             pend_dest, pend, free_dest, free_ok = _run_tile(
                 h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + t * 6, peer_recv_ptrs,

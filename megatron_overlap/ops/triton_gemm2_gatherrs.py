@@ -61,13 +61,7 @@ class TileConfig:
     """GEMM2 tile and launch configuration of `_gemm_scatter_kernel`.
 
     bm x bn output tile (rows x hidden columns), bk the FFN depth per K step, Triton
-    num_warps / num_stages; static: wave-ordered tile list (True) or atomic claims (False);
-    flat: one loop over a CTA's (tile, K step) pairs instead of a K loop per tile, so the
-    next tile's loads are in flight during this tile's epilogue (static schedule with TMA
-    loads only; elsewhere the per-tile loop runs).
-
-    Raises:
-        ValueError: bm / bn / bk not a power of two >= 16; flat with the dynamic schedule.
+    num_warps / num_stages; static: wave-ordered tile list (True) or atomic claims (False).
     """
 
     bm: int = 128
@@ -76,16 +70,12 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     static: bool = True
-    flat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"TileConfig.{name}={v} must be a power of two >= 16")
-        if self.flat and not self.static:
-            raise ValueError("TileConfig.flat=True needs static=True (the flattened loop "
-                             "walks the static tile list)")
 
 
 DEFAULT_TILE = TileConfig()
@@ -482,9 +472,7 @@ class _Call:
                            torch.cuda.current_stream(self.device) if self.gpu else None)
         self.h, self.w2 = h.contiguous(), w2.contiguous()
         row_bytes = self.h.shape[1] * self.h.element_size()
-        # TMA descriptor loads on the GPU whenever rows are 16-byte aligned; in the
-        # interpreter only for the flattened loop (which needs them), so its logic is tested.
-        self.use_tma = (self.gpu or self.tile.flat) and row_bytes % 16 == 0 and all(
+        self.use_tma = self.gpu and row_bytes % 16 == 0 and all(
             t.data_ptr() % 16 == 0 for t in (self.h, self.w2))
         with span("mo.send"):
             self._launch(self.tiles, self.grid, self.num_remote, self.num_local)
@@ -529,7 +517,7 @@ class _Call:
             ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
             ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
             w2.stride(0), w2.stride(1), BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma,
-            STATIC=t.static, USE_TIMER=self.gpu, FLAT=t.flat, num_warps=t.num_warps,
+            STATIC=t.static, USE_TIMER=self.gpu, num_warps=t.num_warps,
             num_stages=t.num_stages,
         )
         if self.gpu:

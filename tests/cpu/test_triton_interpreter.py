@@ -3,8 +3,7 @@
 One process plays every rank of a TP x EP layout: each rank's "peer" buffers are the other
 ranks' workspaces (`symm.local_workspaces`). All ranks send (the GEMM2 + scatter kernel;
 one program, or several with the static wave-ordered list or dynamic claims), then all
-finalize (per-tile K loops, and the flattened (tile, K step) loop with TMA descriptor loads,
-which the interpreter emulates); outputs are checked against the dense formula, over several calls on the same
+finalize; outputs are checked against the dense formula, over several calls on the same
 workspaces with new routing, sizes and data each call (one receive buffer reused, growing
 epochs, every rank's finalize count checked on every other rank). Concurrency and memory ordering are not exercised here (the interpreter runs one
 program at a time): the GPU tests cover them.
@@ -136,15 +135,11 @@ def _simulate() -> dict:
 
     plan = Plan(num_comm_ctas=1, num_ctas=1, source="test")
     # (plan, tile) variants, one per case in turn: one program; several programs with the
-    # wave-ordered list (k remote-first CTAs); several programs claiming tiles dynamically;
-    # the flattened (tile, K step) loop (TMA descriptor loads) on one and on several programs.
-    flat = dataclasses.replace(INTERPRETER_TILE, flat=True)
+    # wave-ordered list (k remote-first CTAs); several programs claiming tiles dynamically.
     variants = [(plan, INTERPRETER_TILE),
                 (Plan(num_comm_ctas=1, num_ctas=3, source="test"), INTERPRETER_TILE),
                 (Plan(num_comm_ctas=2, num_ctas=3, source="test"),
-                 dataclasses.replace(INTERPRETER_TILE, static=False)),
-                (Plan(num_comm_ctas=1, num_ctas=3, source="test"), flat),
-                (plan, flat)]
+                 dataclasses.replace(INTERPRETER_TILE, static=False))]
     report, spaces = {}, {}
     for n, case in enumerate(_cases()):
         call_plan, tile = variants[n % len(variants)]
