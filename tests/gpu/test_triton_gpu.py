@@ -52,6 +52,35 @@ def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0):
     return out, ref
 
 
+def _run_tile(case: OpCase, rank: int, tile) -> torch.Tensor:
+    """The Triton op with an explicit GEMM2 tile configuration (the op's plan)."""
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+    from megatron_overlap.symm import get_workspace
+
+    h, w2, meta = rank_operands(case, rank)
+    h, w2, meta = h.cuda(), w2.cuda(), meta.to("cuda")
+    group = dist.group.WORLD if case.tp * case.ep > 1 else None
+    opts = GatherRSOptions(backend="triton", timeout_s=20.0)
+    num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+    plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms)
+    ws = get_workspace(group, hidden=w2.shape[1], dtype=h.dtype, device=h.device)
+    with torch.no_grad():
+        call = _Call(meta, ws, plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
+                     timeout_s=20.0, tile=tile)
+        return call.run(h, w2)
+
+
+def _tile_variants() -> dict:
+    """GEMM2 tile configurations besides the default, checked against the reference."""
+    from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
+
+    return {"128x256 s4": TileConfig(num_stages=4),
+            "128x128 w4 s3": TileConfig(bn=128, num_warps=4),
+            "128x128 s3 dynamic": TileConfig(bn=128, static=False)}
+
+
 def _assert_clean(results: list) -> None:
     """Every rank's {check: mismatch or None} report holds no mismatch."""
     for rank, report in enumerate(results):
@@ -94,6 +123,13 @@ def _op_worker(rank: int, world: int) -> dict:
                                                            rel_tol=BF16_TOL)
         report[f"{case} vs dense"] = describe_mismatch(out.cpu(), dense_output(case, rank),
                                                        rel_tol=BF16_TOL)
+    # Other tile configurations (stages, shapes, the dynamic schedule) agree too.
+    for case in (_op_cases(world)[2], _op_cases(world)[6]):
+        _, ref = _run(case, rank)
+        for name, tile in _tile_variants().items():
+            out = _run_tile(case, rank, tile)
+            report[f"{case} tile {name} vs reference"] = describe_mismatch(
+                out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
     # Same result, bit for bit, for every communication-CTA count.
     case = _op_cases(world)[2]
     first, _ = _run(case, rank, num_comm_ctas=COMM_CTAS[0])
