@@ -14,6 +14,8 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
   ours          the fused Triton op, host work included (tables, copies, launches)
   ours_prepared the op as the Megatron layer runs it: host work done beforehand (it
                 overlaps FC1 there), launches + GPU work timed
+  ours_prereduced  the same for the pre-reduced mode (`GatherRSOptions.prereduce`), its
+                runs interleaved with ours_prepared's; row field max_rel_err_prereduced_mode
   ours_host     (breakdown) host time to enqueue one call (tables, copies, launches)
   ours_finalize (breakdown) the finalize kernel alone (arrivals already in)
   bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
@@ -234,7 +236,21 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         results["ours_finalize"] = timed(call.finalize, args.warmup, args.iters)
         # The call as the Megatron layer runs it: prepared (host work) while FC1 runs, so the
         # timed part is the launches and the GPU work.
-        results["ours_prepared"] = timed_prepared(prepare, h, w2, args)
+        # The pre-reduced mode (GatherRSOptions.prereduce) side by side with the direct
+        # layout, interleaved; its result is checked against the reference too.
+        from megatron_overlap.ops.triton_prereduce import PreReducedCall
+
+        dev_maps = [m.to(device) for m in maps]
+
+        def prepare_prereduced():
+            return PreReducedCall(meta, ws, plan, hidden=hidden, dtype=h.dtype,
+                                  device=device, timeout_s=30.0, routing_maps=dev_maps)
+
+        pre_out = prepare_prereduced().run(h, w2)
+        err_prereduced = float((pre_out.float() - ref.float()).abs().max()
+                               / ref.float().abs().max())
+        results["ours_prepared"], results["ours_prereduced"] = timed_prepared_interleaved(
+            [prepare, prepare_prereduced], h, w2, args)
         results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters)
         variant_errs = {}
         for name in args.variants:  # other tile configurations / schedules, same inputs
@@ -261,6 +277,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                   routing=args.routing, hidden=hidden, ffn_per_rank=ffn, local_experts=num_local,
                   topk=topk, rows=n, remote_bytes=remote_bytes, max_rel_err_vs_prereduced=err,
                   max_rel_err_variants=variant_errs,
+                  max_rel_err_prereduced_mode=err_prereduced,
                   gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
     # every rank's p50 -> the slowest rank is the op's time
     rows_out = []

@@ -88,7 +88,16 @@ class GatherRSOptions:
     seen and the value expected (a finalize waiting for a sender's arrivals, or a producer
     waiting for a destination to free its receive buffer)."""
 
+    prereduce: bool = False
+    """Triton backend only, opt-in, not yet measured on a GPU: sum each token's rows on the
+    rank that computed them before they travel (one row per token and source rank over
+    NVLink instead of one per (token, expert); the GEMM2 then stores locally and the send
+    is a pass of its own, `megatron_overlap.ops.triton_prereduce`). Needs every rank's
+    routing map: one all-gather per call (plus a host sync for the token counts)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.prereduce, bool):
+            raise TypeError(f"moe_gatherrs_prereduce={self.prereduce!r} must be a bool")
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(
                 f"moe_gatherrs_backend={self.backend!r} is not supported; expected one of "

@@ -270,10 +270,12 @@ class GatherRSWorkspace:
             return
         self.error.zero_()
         self._error_host.zero_()
-        from megatron_overlap.kernels.gemm2_gatherrs import ERR_PRODUCER_WAIT
+        from megatron_overlap.kernels.gemm2_gatherrs import ERR_PRODUCER_WAIT, ERR_SEND_WAIT
 
-        if code == ERR_PRODUCER_WAIT:
-            what = (f"the GEMM2 producer timed out waiting for rank {sender} to free its "
+        if code in (ERR_PRODUCER_WAIT, ERR_SEND_WAIT):
+            who = ("the GEMM2 producer" if code == ERR_PRODUCER_WAIT
+                   else "the pre-reduced send")
+            what = (f"{who} timed out waiting for rank {sender} to free its "
                     f"receive buffer: its finalize count {seen}, expected >= {expected} (its "
                     "finalize of the previous call has not run)")
         else:

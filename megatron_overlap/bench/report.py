@@ -6,7 +6,9 @@ Row schema (one JSON object per line, one row per (workload, provider)): model,
 tokens_per_rank, layout ("ep2", "tp2", ...), routing, hidden, ffn_per_rank, local_experts,
 topk, rows, remote_bytes, provider ("gemm", "megatron", "prereduced", "ours", "ours_nocomm",
 "bound"; "ours_prepared": the op with its host work done beforehand, as the Megatron layer
-runs it; breakdown rows "ours_host", "ours_finalize" where present; exploration rows
+runs it; "ours_prereduced": the same in the pre-reduced mode (`GatherRSOptions.prereduce`;
+its error vs the reference in max_rel_err_prereduced_mode); breakdown rows "ours_host",
+"ours_finalize" where present; exploration rows
 "ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts), p20_ms / p50_ms /
 p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps, git_sha, timestamp, torch.
 """

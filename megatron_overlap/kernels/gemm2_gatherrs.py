@@ -44,7 +44,13 @@ a call wins) and stops waiting: the finalize skips its sum, the producer stores 
 nothing more for that destination (its rows may still be read there); the launcher raises.
 Error record (int64[4]): code, the rank waited for, value seen, value expected. Codes:
 1 the destination's buffer never became free (`ERR_PRODUCER_WAIT`), 2 arrivals missing
-(`ERR_FINALIZE_WAIT`).
+(`ERR_FINALIZE_WAIT`), 3 the destination's buffer never became free for a pre-reduced send
+(`ERR_SEND_WAIT`).
+
+Pre-reduced mode (`_reduce_send_kernel`; `megatron_overlap.ops.triton_prereduce`): the
+producer stores every tile into a local buffer y (h's row order, no signals); then, per
+destination, each token's rows here (its experts on this rank's EP group) are summed and
+travel as one row; the destination's finalize sums one row per source rank.
 """
 
 from __future__ import annotations
@@ -54,9 +60,11 @@ import triton.language as tl
 
 ERR_PRODUCER_WAIT = 1
 ERR_FINALIZE_WAIT = 2
+ERR_SEND_WAIT = 3
 
 _ERR_PRODUCER_WAIT = tl.constexpr(ERR_PRODUCER_WAIT)
 _ERR_FINALIZE_WAIT = tl.constexpr(ERR_FINALIZE_WAIT)
+_ERR_SEND_WAIT = tl.constexpr(ERR_SEND_WAIT)
 
 TILE_FIELDS = 6
 """int32 fields of one tile entry: local expert, first row, end row (in h), first column,
@@ -440,3 +448,50 @@ def _finalize_kernel(
                 if g != my_rank:
                     peer = tl.load(peer_sig_ptrs + g).to(tl.pointer_type(tl.int64))
                     tl.atomic_add(peer + num_ranks + my_rank, 1, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["dest", "my_rank", "num_ranks", "num_tokens",
+                               "freed_target", "timeout_ns"])
+def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr, dest,
+                        my_rank, num_ranks, num_tokens, H, freed_target, timeout_ns, err_ptr,
+                        K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                        USE_TIMER: tl.constexpr):
+    """Pre-reduced send to `dest`: recv_dest[my_rank * num_tokens + t] = sum over j < K of
+    y[rowy[t, j]] (fp32 sum in j order, stored in y's dtype) for each of dest's num_tokens
+    tokens t with rowy[t, 0] >= 0 (a token with no expert here is not stored; dest's
+    finalize skips that slot).
+
+    y: [N, H] this rank's GEMM2 rows (h order); rowy: int32 [num_tokens, K], the rows of
+    token t here, experts ascending, -1 past the last. Grid: (token blocks of BT, column
+    blocks of BH). For a remote dest every CTA first waits (acquire, system scope, bounded)
+    until dest's finalize count sig[num_ranks + dest] reaches freed_target (its buffer is
+    free), then stores over NVLink and adds 1 to its arrival counter at dest (release,
+    system scope): dest expects one arrival per CTA. On a timeout the CTA records
+    `ERR_SEND_WAIT` and neither stores nor signals (dest's finalize then times out too).
+    """
+    ok = tl.full((), 1, tl.int32)
+    remote = dest != my_rank
+    if remote:
+        seen = _wait_at_least(sig_ptr + num_ranks + dest, freed_target, timeout_ns, "sys",
+                              USE_TIMER)
+        if seen < freed_target:
+            _record_error(err_ptr, _ERR_SEND_WAIT, dest, seen, freed_target)
+            ok = tl.full((), 0, tl.int32)
+    tokens = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    t_ok = tokens < num_tokens
+    c_ok = cols < H
+    at = tokens.to(tl.int64) * K
+    first = tl.load(rowy_ptr + at, mask=t_ok, other=-1)
+    acc = tl.zeros((BT, BH), dtype=tl.float32)
+    for j in tl.static_range(K):
+        rows = tl.load(rowy_ptr + at + j, mask=t_ok, other=-1)
+        v = tl.load(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                    mask=(rows[:, None] >= 0) & c_ok[None, :], other=0.0)
+        acc += v.to(tl.float32)
+    dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(y_ptr.dtype.element_ty))
+    out_rows = (my_rank * num_tokens + tokens).to(tl.int64)
+    tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=((tl.where(ok != 0, first, -1) >= 0) & t_ok)[:, None] & c_ok[None, :])
+    if remote & (ok != 0):
+        _signal(peer_sig_ptrs, dest, my_rank, ok)  # ok == 1: one arrival

@@ -47,6 +47,10 @@ class GatherRSTransformerConfig(TransformerConfig):
     moe_gatherrs_timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on every GPU spin-wait of the fused kernels, in seconds (1e-6 to 1e6)."""
 
+    moe_gatherrs_prereduce: bool = False
+    """Pre-reduce each token's rows before they travel (`GatherRSOptions.prereduce`;
+    opt-in, not yet measured on a GPU)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         gatherrs_options(self)  # range checks of the options, flag on or off
@@ -77,6 +81,7 @@ def gatherrs_options(config: TransformerConfig) -> GatherRSOptions:
         backend=getattr(config, "moe_gatherrs_backend", "auto"),
         num_comm_ctas=getattr(config, "moe_gatherrs_num_comm_ctas", None),
         timeout_s=getattr(config, "moe_gatherrs_timeout_s", DEFAULT_TIMEOUT_S),
+        prereduce=getattr(config, "moe_gatherrs_prereduce", False),
     )
 
 
@@ -135,6 +140,9 @@ def add_gatherrs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Communication CTAs (default: chosen by the resource manager).")
     group.add_argument("--moe-gatherrs-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                        help="Bound on every GPU spin-wait, seconds.")
+    group.add_argument("--moe-gatherrs-prereduce", action="store_true",
+                       help="Sum each token's rows before they travel (Triton backend; "
+                            "opt-in, not yet measured on a GPU).")
     return parser
 
 
@@ -147,7 +155,7 @@ def apply_gatherrs_args(config: TransformerConfig, args: argparse.Namespace) -> 
             unchanged when it raises.
     """
     names = ("moe_gatherrs_overlap", "moe_gatherrs_backend", "moe_gatherrs_num_comm_ctas",
-             "moe_gatherrs_timeout_s")
+             "moe_gatherrs_timeout_s", "moe_gatherrs_prereduce")
     missing = [n for n in names if not hasattr(args, n)]
     if missing:
         raise ValueError(f"args lacks {missing}: parse the command line with "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,7 @@ def prepare_gemm2_gatherrs(
     group: Optional[dist.ProcessGroup],
     options: GatherRSOptions,
     plan: Optional[Plan] = None,
+    routing_maps: Optional[Sequence[torch.Tensor]] = None,
 ):
     """Do a call's host work ahead of time, before h is needed (e.g. while FC1 runs).
 
@@ -115,6 +116,9 @@ def prepare_gemm2_gatherrs(
         h_like: any tensor with h's dtype, device and autograd state (e.g. the dispatched
             tokens): it decides the backend as h would.
         w2, meta, group, options, plan: as `gemm2_gatherrs`.
+        routing_maps: with `options.prereduce`, every rank's [T_d, E] routing map in
+            group-rank order on h's device; all-gathered here when None (a collective and
+            a host sync). Ignored otherwise.
 
     Returns:
         A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
@@ -144,8 +148,49 @@ def prepare_gemm2_gatherrs(
                                                              w2.shape[1]))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
+    if options.prereduce:
+        from megatron_overlap.ops.triton_prereduce import PreReducedCall
+
+        if routing_maps is None:
+            routing_maps = gather_routing_maps(meta.routing_map, group)
+        return PreReducedCall(meta, workspace, plan, hidden=w2.shape[1], dtype=h_like.dtype,
+                              device=h_like.device, timeout_s=options.timeout_s,
+                              routing_maps=routing_maps)
     return _Call(meta, workspace, plan, hidden=w2.shape[1], dtype=h_like.dtype,
                  device=h_like.device, timeout_s=options.timeout_s)
+
+
+def gather_routing_maps(routing_map: torch.Tensor,
+                        group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
+    """Every rank's routing map in group-rank order (for the pre-reduced mode).
+
+    Args:
+        routing_map: this rank's bool [T, E] map (T may differ across ranks).
+        group: the tp_ep group (None or one rank: just this map).
+
+    Returns:
+        R tensors [T_d, E] (bool) on routing_map's device. Two collectives: the token
+        counts (read on the host: a sync) and the maps padded to the largest count.
+
+    Raises:
+        ValueError: routing_map is not 2-D.
+    """
+    if routing_map is None or routing_map.dim() != 2:
+        raise ValueError("routing_map must be a [T, E] tensor")
+    if group is None or dist.get_world_size(group) == 1:
+        return [routing_map]
+    world = dist.get_world_size(group)
+    size = torch.tensor([routing_map.shape[0]], dtype=torch.int64, device=routing_map.device)
+    sizes = torch.empty(world, dtype=torch.int64, device=routing_map.device)
+    dist.all_gather_into_tensor(sizes, size, group=group)
+    sizes = [int(x) for x in sizes.tolist()]
+    top = max(sizes)
+    padded = routing_map.new_zeros(top, routing_map.shape[1]).view(torch.uint8)
+    padded[: routing_map.shape[0]] = routing_map.view(torch.uint8)
+    out = padded.new_empty(world * top, routing_map.shape[1])
+    dist.all_gather_into_tensor(out, padded, group=group)
+    out = out.view(torch.bool).view(world, top, -1)
+    return [out[d, : sizes[d]] for d in range(world)]
 
 
 def gemm2_gatherrs(

@@ -33,6 +33,9 @@ def test_command_line_arguments():
     assert config.moe_gatherrs_overlap is True
     assert (config.moe_gatherrs_backend, config.moe_gatherrs_num_comm_ctas) == ("reference", 24)
     assert config.moe_gatherrs_timeout_s == 5.0
+    assert config.moe_gatherrs_prereduce is False
+    pre = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-prereduce"])
+    assert apply_gatherrs_args(_config(), pre).moe_gatherrs_prereduce is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-gatherrs-backend", "cuda"])
     bad = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-num-comm-ctas", "0"])
@@ -59,7 +62,8 @@ def test_command_line_arguments():
         apply_gatherrs_args(plain, nan)
     assert not any(hasattr(plain, n) for n in ("moe_gatherrs_overlap", "moe_gatherrs_backend",
                                                 "moe_gatherrs_num_comm_ctas",
-                                                "moe_gatherrs_timeout_s"))
+                                                "moe_gatherrs_timeout_s",
+                                                "moe_gatherrs_prereduce"))
 
 
 def test_decoder_block_spec_takes_megatrons_arguments():

@@ -279,6 +279,8 @@ def test_unsupported_configs_raise():
         replace(base, moe_gatherrs_timeout_s=1e-9)
     with pytest.raises(TypeError, match="must be a bool"):
         replace(base, moe_gatherrs_overlap="false")
+    with pytest.raises(TypeError, match="moe_gatherrs_prereduce='yes' must be a bool"):
+        replace(base, moe_gatherrs_prereduce="yes")
     # Megatron itself refuses moe_permute_fusion without TE, so check ours directly.
     from megatron_overlap.megatron import validate_gatherrs_config
 

@@ -166,6 +166,27 @@ def _simulate() -> dict:
             done = int(ws[g].finalize_done)
             if report[key] is None and done != ws[g].finalize_ctas:
                 report[key] = f"finalize CTAs done {done}, launched {ws[g].finalize_ctas}"
+    # Pre-reduced calls (`triton_prereduce`) on the same workspaces: their counters
+    # continue the direct calls' above, so mixing the two modes is checked too.
+    from megatron_overlap.ops.triton_prereduce import PreReducedCall
+
+    for n, case in enumerate(_cases()):
+        r = case.tp * case.ep
+        ws = spaces[(case.tp, case.ep)]
+        operands = [rank_operands(case, g) for g in range(r)]
+        maps = [meta.routing_map for _, _, meta in operands]
+        calls = [PreReducedCall(meta, ws[g], variants[n % 2][0], hidden=w2.shape[1],
+                                dtype=h.dtype, device=h.device, timeout_s=30.0,
+                                tile=INTERPRETER_TILE, routing_maps=maps)
+                 for g, (h, w2, meta) in enumerate(operands)]
+        for call, (h, w2, _) in zip(calls, operands):
+            call.send(h, w2)
+        for g, call in enumerate(calls):
+            key = f"prereduce {case} rank {g}"
+            report[key] = describe_mismatch(call.finish(), dense_output(case, g), rel_tol=1e-5)
+            counts = [int(ws[s].signals[r + g]) for s in range(r) if s != g]
+            if report[key] is None and counts != [call.epoch] * (r - 1):
+                report[key] = f"finalize counts of rank {g}: {counts}, want {call.epoch}"
     report["index"] = _index_mismatch()
     report["tile_list"] = _tile_list_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
@@ -196,6 +217,23 @@ def _simulate() -> dict:
     report["producer_timeout"] = _finish_error(call)
     if not torch.equal(stored, ws[1].recv):
         report["producer_timeout"] += " (and rank 1's buffer was overwritten)"
+    # The same for a pre-reduced send: rank 1 never finalizes call 1.
+    ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
+                          capacity_rows=256)
+    operands = [rank_operands(case, g) for g in range(2)]
+    maps = [m.routing_map for _, _, m in operands]
+    for g, (x, w, m) in enumerate(operands):
+        PreReducedCall(m, ws[g], plan, hidden=w.shape[1], dtype=x.dtype, device=x.device,
+                       timeout_s=0.02, routing_maps=maps).send(x, w)
+    h, w2, meta = operands[0]
+    call = PreReducedCall(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype,
+                          device=h.device, timeout_s=0.02, routing_maps=maps)
+    ws[1].recv.fill_(-7.0)
+    stored = ws[1].recv.clone()
+    call.send(h, w2)
+    report["send_timeout"] = _finish_error(call)
+    if not torch.equal(stored, ws[1].recv):
+        report["send_timeout"] += " (and rank 1's buffer was overwritten)"
     return report
 
 
@@ -218,9 +256,14 @@ def test_kernels_in_interpreter():
         "gemm2_gatherrs (Triton) on tp_ep rank 0: the GEMM2 producer timed out waiting for "
         "rank 1 to free its receive buffer: its finalize count 0, expected >= 1"), producer_msg
     assert "overwritten" not in producer_msg, producer_msg
+    send_msg = report.pop("send_timeout")
+    assert send_msg.startswith(
+        "gemm2_gatherrs (Triton) on tp_ep rank 0: the pre-reduced send timed out waiting for "
+        "rank 1 to free its receive buffer: its finalize count 0, expected >= 1"), send_msg
+    assert "overwritten" not in send_msg, send_msg
     bad = {k: v for k, v in report.items() if v is not None}
     assert not bad, bad
-    assert len(report) == sum(c.tp * c.ep for c in _cases())
+    assert len(report) == 2 * sum(c.tp * c.ep for c in _cases())  # direct + pre-reduced
 
 
 if __name__ == "__main__":

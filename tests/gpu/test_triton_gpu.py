@@ -1,6 +1,6 @@
 """The Triton GEMM2 + GatherRS kernels on GPUs: against the reference, across calls, CTA
-counts and layouts, back-to-back calls with a late finalize (the one-buffer protocol), plus
-the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs,
+counts, tile configurations, layouts and the pre-reduced mode, back-to-back calls with a
+late finalize (the one-buffer protocol), plus the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs,
 world 4 (TP2 x EP2, EP4, TP4) needs 4 (not run yet: no 4-GPU machine has been lent).
 
 bf16 tolerance 2 ** -6 relative to the case's largest |output| (as the CPU suites): the
@@ -37,7 +37,7 @@ def _needs_gpus(world: int) -> None:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
 
 
-def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0):
+def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0, prereduce=False):
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.ops import gemm2_gatherrs
 
@@ -46,7 +46,8 @@ def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0):
     group = dist.group.WORLD if case.tp * case.ep > 1 else None
     with torch.no_grad():
         out = gemm2_gatherrs(h, w2, meta, group=group, options=GatherRSOptions(
-            backend="triton", num_comm_ctas=num_comm_ctas, timeout_s=timeout_s))
+            backend="triton", num_comm_ctas=num_comm_ctas, timeout_s=timeout_s,
+            prereduce=prereduce))
         ref = gemm2_gatherrs(h, w2, meta, group=group,
                              options=GatherRSOptions(backend="reference"))
     return out, ref
@@ -123,6 +124,11 @@ def _op_worker(rank: int, world: int) -> dict:
                                                            rel_tol=BF16_TOL)
         report[f"{case} vs dense"] = describe_mismatch(out.cpu(), dense_output(case, rank),
                                                        rel_tol=BF16_TOL)
+    # The pre-reduced mode (its routing maps all-gathered by the op) on every case.
+    for case in _op_cases(world):
+        out, ref = _run(case, rank, prereduce=True)
+        report[f"{case} pre-reduced vs reference"] = describe_mismatch(
+            out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
     # Other tile configurations (stages, shapes, the dynamic schedule) agree too.
     for case in (_op_cases(world)[2], _op_cases(world)[6]):
         _, ref = _run(case, rank)

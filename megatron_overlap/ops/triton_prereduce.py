@@ -1,0 +1,232 @@
+"""Pre-reduced variant of the Triton GEMM2 + GatherRS call (opt-in: `GatherRSOptions.prereduce`).
+
+Why: the direct layout (`triton_gemm2_gatherrs`, v4) sends every (token, expert) row to the
+token's rank, so NVLink carries top-k x TP rows per token (less the token's experts on its
+own rank). Where the link is the limit (TP=2 with SP at top-k 8: 537 MB per rank at 16384
+tokens, measured ~270 GB/s with the GEMM's peer stores; docs/perf_notes.md v4.3) summing a
+token's rows on the rank that computed them first cuts the bytes to one row per (token,
+source rank): the pre-reduced GatherRS of DESIGN.md §1, here with the reduction as its own
+pass instead of v3's gather items.
+
+Per call, on rank `me` of the tp_ep group (R ranks, T_d tokens on rank d):
+  1. host (prepare): `direct_layout` gives, per (local expert l, destination d), the first
+     row of d's chunk of expert l in h; the tile list stores every tile into a local buffer
+     y in h's row order (no signals); one pinned H2D copy.
+  2. device (prepare): for every destination d, rowy_d [T_d, K] (K = min(top-k, L)): the rows
+     in y of d's token t, its local experts ascending (`_prepare_kernel` block counts +
+     `_index_kernel` on d's routing map restricted to this EP rank's experts); the finalize
+     index [T_me, R]: slot s * T_me + t when token t has an expert on source s's EP rank,
+     else -1.
+  3. send: `_gemm_scatter_kernel` into y, then `_reduce_send_kernel` per destination (remote
+     ones first, round-robin after `me`), each storing one row per token into d's receive
+     buffer at slot me * T_d + t and signalling one arrival per CTA.
+  4. finish: `_finalize_kernel` sums the R slots of each token in group-rank order
+     (deterministic), then signals "buffer free" as in the direct layout.
+
+The receive buffer holds R x max_d T_d rows (the direct layout: top-k x TP x T rows), y is
+a transient [N, H] like Megatron's FC2 output. The communication no longer overlaps the
+GEMM (the reduction needs a token's rows from every local expert); the plan's SM partition
+is not used. Needs every rank's routing map (the caller all-gathers them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import triton
+
+from megatron_overlap.kernels import gemm2_gatherrs as k
+from megatron_overlap.kernels.launch import FastLauncher
+from megatron_overlap.metadata import GatherRSMetadata
+from megatron_overlap.ops.triton_gemm2_gatherrs import (
+    INDEX_BLOCK_TOKENS,
+    TILE_LIST_BLOCK,
+    DirectLayout,
+    TileConfig,
+    _Call,
+    _ensure_allocator,
+    _gemm_scatter,
+    _index,
+    _prepare,
+    _record_resources,
+    default_tile,
+    destination_order,
+    direct_layout,
+    expand_tiles,
+)
+from megatron_overlap.profiling import span
+from megatron_overlap.resource import Plan
+from megatron_overlap.symm import GatherRSWorkspace
+
+REDUCE_SEND_BLOCK = (32, 128)
+"""Tokens x columns per `_reduce_send_kernel` CTA on the GPU (the interpreter: (8, 16))."""
+
+_reduce_send = FastLauncher(k._reduce_send_kernel)
+
+
+def send_blocks(num_tokens: int, hidden: int, gpu: bool) -> int:
+    """CTAs of one `_reduce_send_kernel` launch for a destination with `num_tokens` tokens:
+    the arrivals that destination expects from each source (0 without tokens: no launch)."""
+    bt, bh = REDUCE_SEND_BLOCK if gpu else (8, 16)
+    if num_tokens <= 0:
+        return 0
+    return -(-num_tokens // bt) * -(-hidden // bh)
+
+
+class PreReducedCall(_Call):
+    """One pre-reduced call, prepared then run (same interface as `_Call`: `send`,
+    `finish`, `run`, `finalize`; see the module docstring).
+
+    Args:
+        meta, ws, plan, hidden, dtype, device, timeout_s, tile: as `_Call` (the plan's grid
+            sizes the GEMM; its communication CTAs are not used).
+        routing_maps: every rank's routing map in group-rank order, bool/uint8 [T_d, E] on
+            the call's device; routing_maps[me] is meta.routing_map.
+
+    Raises:
+        ValueError: routing_maps of the wrong length, shape or device, or this rank's map not
+            meta's; meta without routed_counts or routing_map.
+    """
+
+    MODE = "prereduce"
+
+    def __init__(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan, *,
+                 hidden: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
+                 routing_maps: Sequence[torch.Tensor],
+                 tile: Optional[TileConfig] = None) -> None:
+        ws.check_errors(block=False)  # a previous call's timeout surfaces here
+        self.ws, self.meta, self.plan = ws, meta, plan
+        self.device = device = torch.device(device)
+        self.gpu = device.type == "cuda"
+        self.dtype, self.hidden = dtype, hidden
+        self.tile = tile or default_tile(device)
+        tp, ep, num_local = meta.tp_size, meta.ep_size, meta.num_local_experts
+        num_ranks = tp * ep
+        self.rank = me = meta.ep_rank * tp + meta.tp_rank
+        self.grid = max(1, plan.num_ctas or 1)
+        self.num_comm = 0
+        self.timeout = int(timeout_s * 1e9) if self.gpu else max(10, int(timeout_s * 1000))
+        if meta.routing_map is None:
+            raise ValueError("the Triton backend needs meta.routing_map "
+                             "(build_metadata(..., routing_map=...))")
+        maps = list(routing_maps)
+        num_experts = meta.routing_map.shape[1]
+        if len(maps) != num_ranks:
+            raise ValueError(f"routing_maps: {len(maps)} maps for a group of {num_ranks}")
+        for d, m in enumerate(maps):
+            if (not isinstance(m, torch.Tensor) or m.dim() != 2 or m.shape[1] != num_experts
+                    or m.device != device):
+                raise ValueError(f"routing_maps[{d}] must be a [T, {num_experts}] tensor on "
+                                 f"{device}, got {getattr(m, 'shape', type(m))}")
+        if maps[me].shape != meta.routing_map.shape:
+            raise ValueError(f"routing_maps[{me}] (this rank) has shape {tuple(maps[me].shape)}"
+                             f", meta.routing_map {tuple(meta.routing_map.shape)}")
+        self.tokens = [int(m.shape[0]) for m in maps]
+        with span("mo.direct_layout"):
+            lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
+            seg = lay.segments.copy()
+            # base[d, l]: first row in h of (local expert l, destination d), minus 1 (the
+            # index kernel adds the inclusive prefix count).
+            base = np.zeros((num_ranks, num_local), dtype=np.int32)
+            base[seg[:, 3], seg[:, 0]] = seg[:, 1] - 1
+            seg[:, 3] = me  # every tile into the local y, in h's row order
+            seg[:, 4] = seg[:, 1]
+            local = DirectLayout(
+                segments=seg, num_remote=0, num_local=lay.num_remote + lay.num_local,
+                col_blocks=lay.col_blocks, bm=lay.bm, bn=lay.bn, arrivals=lay.arrivals,
+                recv_rows=lay.recv_rows, finalize_base=lay.finalize_base,
+                num_pairs=lay.num_pairs)
+            table = expand_tiles(local)
+        self.num_remote, self.num_local = 0, len(table)
+        self.num_rows = int(lay.segments[:, 2].sum()) if len(lay.segments) else 0
+        ws.ensure_capacity(num_ranks * max(self.tokens))
+        self.epoch = ws.next_epoch()
+        self.freed_target = self.epoch - 1
+        arrivals = np.full(num_ranks, send_blocks(self.tokens[me], hidden, self.gpu),
+                           dtype=np.int64)
+        arrivals[me] = 0
+        targets = ws.add_expected_arrivals(arrivals)
+        with span("mo.h2d"):
+            r2 = 2 * num_ranks
+            host = torch.empty(r2 + base.size + table.size, dtype=torch.int32,
+                               pin_memory=self.gpu)
+            buf = host.numpy()
+            buf[:r2] = targets.astype(np.int64).view(np.int32)
+            buf[r2: r2 + base.size] = base.reshape(-1)
+            buf[r2 + base.size:] = table.reshape(-1)
+            dev = host.to(device, non_blocking=True)
+            self.targets = dev[:r2].view(torch.int64)
+            bases = dev[r2: r2 + base.size].view(num_ranks, 1, num_local)
+            self.tiles = dev[r2 + base.size:].view(-1, k.TILE_FIELDS)
+        with span("mo.prepare_kernels"):
+            self.k = max(1, min(int(meta.topk or num_local), num_local))
+            bt = INDEX_BLOCK_TOKENS if self.gpu else 16
+            ep2 = max(16, triton.next_power_of_2(num_local))
+            warps = 8 if ep2 >= 256 else 4
+            cols = slice(meta.ep_rank * num_local, (meta.ep_rank + 1) * num_local)
+            self.rowy = []
+            for d, m in enumerate(maps):
+                t_d = self.tokens[d]
+                rowy = torch.empty(t_d, self.k, dtype=torch.int32, device=device)
+                self.rowy.append(rowy)
+                if t_d == 0:
+                    continue
+                rmap = m[:, cols].contiguous().view(torch.uint8)
+                nb = -(-t_d // bt)
+                counts = torch.empty(nb, num_local, dtype=torch.int32, device=device)
+                _prepare((nb,), self.tiles, self.tiles, 0, 0, 0, 1, 1, 1, 1, 0, rmap,
+                         counts, t_d, num_local, BM=self.tile.bm, BN=self.tile.bn,
+                         WAVES=False, BLOCK=TILE_LIST_BLOCK, EP2=ep2, BT=bt, num_warps=warps)
+                _index((nb,), rmap, counts, bases[d], rowy, t_d, num_local, TP=1, K=self.k,
+                       EP2=ep2, BT=bt, CB=32, num_warps=warps)
+            # Finalize index: slot s * T + t where token t has an expert on s's EP rank.
+            t_me = self.tokens[me]
+            has = (maps[me] != 0).view(t_me, ep, num_local).any(dim=2)  # [T, EP]
+            src = torch.arange(num_ranks, device=device)
+            slots = src[None, :] * t_me + torch.arange(t_me, device=device)[:, None]
+            self.index = torch.where(has[:, src // tp], slots,
+                                     torch.full_like(slots, -1)).to(torch.int32)
+        self.counters = None
+        self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
+        self.h = self.w2 = self.y = None
+        self.sent = False
+        self._finalized = False
+
+    def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
+                recv_ptrs: Optional[torch.Tensor] = None) -> None:
+        """The GEMM into y, then one pre-reduced send per destination (remote first)."""
+        ws, h, w2, t = self.ws, self.h, self.w2, self.tile
+        num_ranks = ws.num_ranks
+        self.y = torch.empty(max(1, self.num_rows), self.hidden, dtype=self.dtype,
+                             device=self.device)
+        if self.gpu:
+            _ensure_allocator()
+        if num_local:
+            y_ptrs = torch.full((num_ranks,), self.y.data_ptr(), dtype=torch.int64,
+                                device=self.device)
+            handle = _gemm_scatter(
+                (grid,), h, w2, tiles, 0, num_local, tiles, y_ptrs, ws.peer_signal_ptrs,
+                ws.signals, self.rank, num_ranks, 0, self.freed_target, self.timeout,
+                ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0],
+                h.stride(0), w2.stride(0), w2.stride(1), BM=t.bm, BN=t.bn, BK=t.bk,
+                USE_TMA=self.use_tma, STATIC=True, USE_TIMER=self.gpu,
+                num_warps=t.num_warps, num_stages=t.num_stages)
+            if self.gpu:
+                _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
+        bt, bh = REDUCE_SEND_BLOCK if self.gpu else (8, 16)
+        for d in destination_order(self.rank, num_ranks):
+            t_d = self.tokens[d]
+            if t_d == 0:
+                continue
+            _reduce_send(
+                (-(-t_d // bt), -(-self.hidden // bh)), self.y, self.rowy[d],
+                ws.peer_recv_ptrs, ws.peer_signal_ptrs, ws.signals, d, self.rank, num_ranks,
+                t_d, self.hidden, self.freed_target, self.timeout, ws.error, K=self.k,
+                BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=4)
+
+    def gemm_only(self, grid: Optional[int] = None) -> None:
+        """Not available for pre-reduced calls (the GEMM stores locally anyway: time
+        `_Call.gemm_only` of a direct call instead)."""
+        raise NotImplementedError("gemm_only: time a direct-layout call's gemm_only")
