@@ -249,8 +249,8 @@ class GatherRSWorkspace:
         Raises:
             RuntimeError: names this rank, the rank waited for, the count seen and the count
                 expected: a finalize that waited for a sender's arrivals, or a GEMM2
-                producer that waited for a destination's finalize count (its receive buffer
-                still in use). The workspace is unusable afterwards (counters are out of
+                producer or a pre-reduced send that waited for a destination's finalize
+                count (its receive buffer still in use). The workspace is unusable afterwards (counters are out of
                 step across ranks).
         """
         if self._destroyed:

@@ -462,12 +462,13 @@ def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
     finalize skips that slot).
 
     y: [N, H] this rank's GEMM2 rows (h order); rowy: int32 [num_tokens, K], the rows of
-    token t here, experts ascending, -1 past the last. Grid: (token blocks of BT, column
-    blocks of BH). For a remote dest every CTA first waits (acquire, system scope, bounded)
-    until dest's finalize count sig[num_ranks + dest] reaches freed_target (its buffer is
-    free), then stores over NVLink and adds 1 to its arrival counter at dest (release,
-    system scope): dest expects one arrival per CTA. On a timeout the CTA records
-    `ERR_SEND_WAIT` and neither stores nor signals (dest's finalize then times out too).
+    token t here, experts ascending, -1 past the last. Grid: token blocks of BT; each CTA
+    walks the hidden columns BH at a time. For a remote dest every CTA first waits (acquire,
+    system scope, bounded) until dest's finalize count sig[num_ranks + dest] reaches
+    freed_target (its buffer is free), then stores over NVLink and adds 1 to its arrival
+    counter at dest (release, system scope): dest expects one arrival per CTA. On a timeout
+    the CTA records `ERR_SEND_WAIT` and neither stores nor signals (dest's finalize then
+    times out too).
     """
     ok = tl.full((), 1, tl.int32)
     remote = dest != my_rank
@@ -478,20 +479,22 @@ def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
             _record_error(err_ptr, _ERR_SEND_WAIT, dest, seen, freed_target)
             ok = tl.full((), 0, tl.int32)
     tokens = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
     t_ok = tokens < num_tokens
-    c_ok = cols < H
     at = tokens.to(tl.int64) * K
     first = tl.load(rowy_ptr + at, mask=t_ok, other=-1)
-    acc = tl.zeros((BT, BH), dtype=tl.float32)
-    for j in tl.static_range(K):
-        rows = tl.load(rowy_ptr + at + j, mask=t_ok, other=-1)
-        v = tl.load(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                    mask=(rows[:, None] >= 0) & c_ok[None, :], other=0.0)
-        acc += v.to(tl.float32)
+    keep = (tl.where(ok != 0, first, -1) >= 0) & t_ok
     dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(y_ptr.dtype.element_ty))
     out_rows = (my_rank * num_tokens + tokens).to(tl.int64)
-    tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=((tl.where(ok != 0, first, -1) >= 0) & t_ok)[:, None] & c_ok[None, :])
+    for c0 in range(0, H, BH):
+        cols = c0 + tl.arange(0, BH)
+        c_ok = cols < H
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for j in tl.static_range(K):
+            rows = tl.load(rowy_ptr + at + j, mask=t_ok, other=-1)
+            v = tl.load(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                        mask=(rows[:, None] >= 0) & c_ok[None, :], other=0.0)
+            acc += v.to(tl.float32)
+        tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=keep[:, None] & c_ok[None, :])
     if remote & (ok != 0):
         _signal(peer_sig_ptrs, dest, my_rank, ok)  # ok == 1: one arrival

@@ -211,7 +211,8 @@ def gemm2_gatherrs(
         w2: [L, H, F] FC2 weights of the local experts (`linear_fc2.weight` layout).
         meta: routing metadata (`metadata.build_metadata`).
         group: the tp_ep process group (R = TP * EP ranks); None when R == 1.
-        options: backend, communication CTAs, timeout.
+        options: backend, communication CTAs, timeout, pre-reduced mode (Triton only: a
+            call then all-gathers the routing maps over `group` unless prepared).
         plan: the resource manager's plan; computed here when None (ignored with
             `prepared`, which carries the plan it was prepared with).
         prepared: the result of `prepare_gemm2_gatherrs` for this call, if any (a Triton

@@ -60,19 +60,21 @@ from megatron_overlap.profiling import span
 from megatron_overlap.resource import Plan
 from megatron_overlap.symm import GatherRSWorkspace
 
-REDUCE_SEND_BLOCK = (32, 128)
-"""Tokens x columns per `_reduce_send_kernel` CTA on the GPU (the interpreter: (8, 16))."""
+REDUCE_SEND_BLOCK = (32, 256)
+"""Tokens per `_reduce_send_kernel` CTA x columns per step of its loop over the hidden size,
+on the GPU (the interpreter: (8, 16)). One CTA per token block keeps the system-scope
+arrival atomics at T / 32 per destination."""
 
 _reduce_send = FastLauncher(k._reduce_send_kernel)
 
 
-def send_blocks(num_tokens: int, hidden: int, gpu: bool) -> int:
+def send_blocks(num_tokens: int, gpu: bool) -> int:
     """CTAs of one `_reduce_send_kernel` launch for a destination with `num_tokens` tokens:
     the arrivals that destination expects from each source (0 without tokens: no launch)."""
-    bt, bh = REDUCE_SEND_BLOCK if gpu else (8, 16)
+    bt = REDUCE_SEND_BLOCK[0] if gpu else 8
     if num_tokens <= 0:
         return 0
-    return -(-num_tokens // bt) * -(-hidden // bh)
+    return -(-num_tokens // bt)
 
 
 class PreReducedCall(_Call):
@@ -83,7 +85,8 @@ class PreReducedCall(_Call):
         meta, ws, plan, hidden, dtype, device, timeout_s, tile: as `_Call` (the plan's grid
             sizes the GEMM; its communication CTAs are not used).
         routing_maps: every rank's routing map in group-rank order, bool/uint8 [T_d, E] on
-            the call's device; routing_maps[me] is meta.routing_map.
+            the call's device (`gemm2_gatherrs.gather_routing_maps`); routing_maps[me] has
+            meta.routing_map's shape.
 
     Raises:
         ValueError: routing_maps of the wrong length, shape or device, or this rank's map not
@@ -117,9 +120,10 @@ class PreReducedCall(_Call):
             raise ValueError(f"routing_maps: {len(maps)} maps for a group of {num_ranks}")
         for d, m in enumerate(maps):
             if (not isinstance(m, torch.Tensor) or m.dim() != 2 or m.shape[1] != num_experts
-                    or m.device != device):
+                    or m.device.type != device.type):
                 raise ValueError(f"routing_maps[{d}] must be a [T, {num_experts}] tensor on "
-                                 f"{device}, got {getattr(m, 'shape', type(m))}")
+                                 f"{device.type}, got "
+                                 f"{getattr(m, 'shape', type(m))} on {getattr(m, 'device', '-')}")
         if maps[me].shape != meta.routing_map.shape:
             raise ValueError(f"routing_maps[{me}] (this rank) has shape {tuple(maps[me].shape)}"
                              f", meta.routing_map {tuple(meta.routing_map.shape)}")
@@ -144,7 +148,7 @@ class PreReducedCall(_Call):
         ws.ensure_capacity(num_ranks * max(self.tokens))
         self.epoch = ws.next_epoch()
         self.freed_target = self.epoch - 1
-        arrivals = np.full(num_ranks, send_blocks(self.tokens[me], hidden, self.gpu),
+        arrivals = np.full(num_ranks, send_blocks(self.tokens[me], self.gpu),
                            dtype=np.int64)
         arrivals[me] = 0
         targets = ws.add_expected_arrivals(arrivals)
@@ -221,10 +225,10 @@ class PreReducedCall(_Call):
             if t_d == 0:
                 continue
             _reduce_send(
-                (-(-t_d // bt), -(-self.hidden // bh)), self.y, self.rowy[d],
+                (-(-t_d // bt),), self.y, self.rowy[d],
                 ws.peer_recv_ptrs, ws.peer_signal_ptrs, ws.signals, d, self.rank, num_ranks,
                 t_d, self.hidden, self.freed_target, self.timeout, ws.error, K=self.k,
-                BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=4)
+                BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4)
 
     def gemm_only(self, grid: Optional[int] = None) -> None:
         """Not available for pre-reduced calls (the GEMM stores locally anyway: time
