@@ -93,7 +93,9 @@ class GatherRSOptions:
     rank that computed them before they travel (one row per token and source rank over
     NVLink instead of one per (token, expert); the GEMM2 then stores locally and the send
     is a pass of its own, `megatron_overlap.ops.triton_prereduce`). Needs every rank's
-    routing map: one all-gather per call (plus a host sync for the token counts)."""
+    routing map: one all-gather per call (`ops.gemm2_gatherrs.gather_routing_maps`; plus a
+    host sync for the token counts where the caller does not pass them, as the op-level
+    `gemm2_gatherrs` does not; the Megatron dispatcher does)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prereduce, bool):

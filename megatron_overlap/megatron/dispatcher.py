@@ -31,7 +31,7 @@ from megatron_overlap.config import check_environment
 from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
-from megatron_overlap.ops.gemm2_gatherrs import triton_unavailable_reason
+from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps, triton_unavailable_reason
 from megatron_overlap.profiling import span
 from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
 
@@ -45,6 +45,18 @@ def _as_list(splits) -> List[int]:
 
 # torch >= 2.13 renames all_gather_into_tensor (and warns on the old name); 2.11 has only it.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def tokens_per_rank(counts: np.ndarray, num_experts: int, topk: int, me: int,
+                    my_tokens: int) -> Optional[List[int]]:
+    """Every rank's token count from the exchanged [R, >= E] tokens-per-expert counts: a
+    rank's routed pairs / top-k, which holds when every token has exactly top-k experts
+    (dropless routing). None when that does not fit (pairs not a multiple of top-k, or this
+    rank's own count differs): the caller gathers the counts instead."""
+    pairs = np.asarray(counts)[:, :num_experts].sum(axis=1)
+    if topk < 1 or np.any(pairs % topk) or int(pairs[me]) // topk != my_tokens:
+        return None
+    return [int(x) // topk for x in pairs]
 
 
 def _all_gather_varsize(t: torch.Tensor, sizes: List[int], group) -> torch.Tensor:
@@ -277,9 +289,19 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 kernel=compiled_resources(h_like.dtype, w2.shape[2], w2.shape[1]))
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
+        maps = None
+        if self.options.prereduce and h_like.is_cuda and self._triton_will_run(h_like):
+            # The pre-reduced mode needs every rank's routing map; the token counts follow
+            # from the exchanged counts, so the gather needs no host sync.
+            with span("mo.routing_maps"):
+                num_experts = self._counts.shape[1] - self.ep_size
+                sizes = tokens_per_rank(self._counts, num_experts, self.config.moe_router_topk,
+                                        me, self.routing_map.shape[0])
+                maps = gather_routing_maps(self.routing_map, group, sizes)
         with span("mo.prepare"):
             self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,
-                                                    options=self.options, plan=self.plan)
+                                                    options=self.options, plan=self.plan,
+                                                    routing_maps=maps)
         self._was_prepared = True
 
     def gemm2_gatherrs_combine(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

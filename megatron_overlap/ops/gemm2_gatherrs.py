@@ -160,30 +160,42 @@ def prepare_gemm2_gatherrs(
                  device=h_like.device, timeout_s=options.timeout_s)
 
 
-def gather_routing_maps(routing_map: torch.Tensor,
-                        group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
+def gather_routing_maps(routing_map: torch.Tensor, group: Optional[dist.ProcessGroup],
+                        num_tokens: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     """Every rank's routing map in group-rank order (for the pre-reduced mode).
 
     Args:
         routing_map: this rank's bool [T, E] map (T may differ across ranks).
         group: the tp_ep group (None or one rank: just this map).
+        num_tokens: every rank's T in group-rank order when the caller knows them (the
+            Megatron dispatcher does); None: gathered here (one more collective, and a host
+            sync to read them).
 
     Returns:
-        R tensors [T_d, E] (bool) on routing_map's device. Two collectives: the token
-        counts (read on the host: a sync) and the maps padded to the largest count.
+        R tensors [T_d, E] (bool) on routing_map's device: one all-gather of the maps padded
+        to the largest T.
 
     Raises:
-        ValueError: routing_map is not 2-D.
+        ValueError: routing_map is not 2-D, or num_tokens has the wrong length or does not
+            hold this rank's T at its group rank.
     """
     if routing_map is None or routing_map.dim() != 2:
         raise ValueError("routing_map must be a [T, E] tensor")
     if group is None or dist.get_world_size(group) == 1:
         return [routing_map]
     world = dist.get_world_size(group)
-    size = torch.tensor([routing_map.shape[0]], dtype=torch.int64, device=routing_map.device)
-    sizes = torch.empty(world, dtype=torch.int64, device=routing_map.device)
-    dist.all_gather_into_tensor(sizes, size, group=group)
-    sizes = [int(x) for x in sizes.tolist()]
+    if num_tokens is not None:
+        sizes = [int(x) for x in num_tokens]
+        me = dist.get_rank(group)
+        if len(sizes) != world or sizes[me] != routing_map.shape[0]:
+            raise ValueError(f"num_tokens={sizes}: expected {world} entries with this rank's "
+                             f"{routing_map.shape[0]} tokens at index {me}")
+    else:
+        size = torch.tensor([routing_map.shape[0]], dtype=torch.int64,
+                            device=routing_map.device)
+        gathered = torch.empty(world, dtype=torch.int64, device=routing_map.device)
+        dist.all_gather_into_tensor(gathered, size, group=group)
+        sizes = [int(x) for x in gathered.tolist()]
     top = max(sizes)
     padded = routing_map.new_zeros(top, routing_map.shape[1]).view(torch.uint8)
     padded[: routing_map.shape[0]] = routing_map.view(torch.uint8)

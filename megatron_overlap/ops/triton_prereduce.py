@@ -26,7 +26,7 @@ Per call, on rank `me` of the tp_ep group (R ranks, T_d tokens on rank d):
 The receive buffer holds R x max_d T_d rows (the direct layout: top-k x TP x T rows), y is
 a transient [N, H] like Megatron's FC2 output. The communication no longer overlaps the
 GEMM (the reduction needs a token's rows from every local expert); the plan's SM partition
-is not used. Needs every rank's routing map (the caller all-gathers them).
+is not used. Needs every rank's routing map (`gemm2_gatherrs.gather_routing_maps`).
 """
 
 from __future__ import annotations
