@@ -101,6 +101,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._prepared = None  # a prepared Triton call (prepare_combine), or None
         self._was_prepared = False
         self.num_plans = 0  # resource-manager calls so far (one per forward)
+        self.last_combine = None  # what ran the last combine: "reference", "direct", "prereduced"
         self._keep_counts = False  # preprocess keeps Megatron's gathered counts (Triton path)
         self._megatron_counts = None
         self._slot_columns = None
@@ -302,6 +303,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,
                                                     options=self.options, plan=self.plan,
                                                     routing_maps=maps)
+        self.last_combine = ("reference" if self._prepared is None else
+                             "prereduced" if self._prepared.MODE == "prereduce" else "direct")
         self._was_prepared = True
 
     def gemm2_gatherrs_combine(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

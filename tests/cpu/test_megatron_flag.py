@@ -45,6 +45,7 @@ class LayerCase:
     model: bool = False  # a 2-layer GPTModel instead of one MoELayer
     capacity_factor: Optional[float] = None
     backend: str = "reference"
+    prereduce: bool = False  # GatherRSOptions.prereduce (Triton only; ignored by "reference")
 
 
 def _config(case: LayerCase, flag: bool, num_layers: int = 1):
@@ -74,6 +75,7 @@ def _config(case: LayerCase, flag: bool, num_layers: int = 1):
         bf16=case.dtype == torch.bfloat16,
         moe_gatherrs_overlap=flag,
         moe_gatherrs_backend=case.backend,
+        moe_gatherrs_prereduce=case.prereduce,
     )
 
 
@@ -123,6 +125,7 @@ def _run_layer_case(case: LayerCase, layout, device: str = "cpu") -> dict:
     results["dispatcher"] = type(ours_on.token_dispatcher).__name__
     results["stock_dispatcher_when_off"] = type(ours_off.token_dispatcher).__name__
     results["num_plans"] = ours_on.token_dispatcher.num_plans
+    results["last_combine"] = ours_on.token_dispatcher.last_combine
     if case.check_grads:
         results["grad_x_mismatch"] = describe_mismatch(grads["on"][0], grads["stock"][0],
                                                        rel_tol=tol)
@@ -241,6 +244,9 @@ def check_results(world: int, cases: list, results: list) -> None:
             assert res["dispatcher"] == "GatherRSAlltoAllTokenDispatcher", where
             assert res["stock_dispatcher_when_off"] == "MoEAlltoAllTokenDispatcher", where
             assert res["num_plans"] == 1, where
+            want = ("reference" if case.backend == "reference"
+                    else "prereduced" if case.prereduce else "direct")
+            assert res["last_combine"] == want, (where, res["last_combine"], want)
             for key in ("grad_x_mismatch", "grad_fc1_mismatch"):
                 assert res.get(key) is None, (where, key, res[key])
 

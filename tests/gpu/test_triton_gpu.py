@@ -265,6 +265,9 @@ def test_flag_on_triton_matches_flag_off(world):
     _needs_gpus(world)
     cases = [dataclasses.replace(c, dtype=torch.bfloat16, check_grads=False, backend="triton")
              for c in flag_suite._cases(world) if not c.model]
+    # The pre-reduced mode through the Megatron layer (routing maps gathered by the
+    # dispatcher with the token counts it already has).
+    cases += [dataclasses.replace(c, prereduce=True) for c in cases]
     results = run_distributed(flag_suite._worker, world, cases, timeout_s=400,
                               backend="nccl", device="cuda")
     flag_suite.check_results(world, cases, results)
