@@ -359,15 +359,14 @@ class _Call:
     """Names the kernels a call launches (the first call of each mode and specialisation
     lines the ranks up after compiling)."""
 
-    def __init__(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan, *,
-                 hidden: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
-                 tile: Optional[TileConfig] = None) -> None:
+    def _init_common(self, meta, ws, plan, hidden, dtype, device, timeout_s, tile) -> None:
+        """The fields every mode sets first (see the class docstring for the arguments)."""
         ws.check_errors(block=False)  # a previous call's timeout surfaces here
         self.ws, self.meta, self.plan = ws, meta, plan
-        self.device = device = torch.device(device)
-        self.gpu = device.type == "cuda"
+        self.device = torch.device(device)
+        self.gpu = self.device.type == "cuda"
         self.dtype, self.hidden = dtype, hidden
-        self.tile = tile or default_tile(device)
+        self.tile = tile or default_tile(self.device)
         self.rank = meta.ep_rank * meta.tp_size + meta.tp_rank
         self.grid = max(1, plan.num_ctas or 1)
         self.num_comm = int(plan.num_comm_ctas)
@@ -376,6 +375,12 @@ class _Call:
         if meta.routing_map is None:
             raise ValueError("the Triton backend needs meta.routing_map "
                              "(build_metadata(..., routing_map=...))")
+
+    def __init__(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan, *,
+                 hidden: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
+                 tile: Optional[TileConfig] = None) -> None:
+        self._init_common(meta, ws, plan, hidden, dtype, device, timeout_s, tile)
+        device = self.device
         with span("mo.direct_layout"):
             lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
             self.num_remote, self.num_local = lay.num_remote, lay.num_local

@@ -51,7 +51,6 @@ from megatron_overlap.ops.triton_gemm2_gatherrs import (
     _index,
     _prepare,
     _record_resources,
-    default_tile,
     destination_order,
     direct_layout,
     expand_tiles,
@@ -99,21 +98,11 @@ class PreReducedCall(_Call):
                  hidden: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
                  routing_maps: Sequence[torch.Tensor],
                  tile: Optional[TileConfig] = None) -> None:
-        ws.check_errors(block=False)  # a previous call's timeout surfaces here
-        self.ws, self.meta, self.plan = ws, meta, plan
-        self.device = device = torch.device(device)
-        self.gpu = device.type == "cuda"
-        self.dtype, self.hidden = dtype, hidden
-        self.tile = tile or default_tile(device)
+        self._init_common(meta, ws, plan, hidden, dtype, device, timeout_s, tile)
+        device, me = self.device, self.rank
+        self.num_comm = 0  # the SM partition is not used: the GEMM stores locally
         tp, ep, num_local = meta.tp_size, meta.ep_size, meta.num_local_experts
         num_ranks = tp * ep
-        self.rank = me = meta.ep_rank * tp + meta.tp_rank
-        self.grid = max(1, plan.num_ctas or 1)
-        self.num_comm = 0
-        self.timeout = int(timeout_s * 1e9) if self.gpu else max(10, int(timeout_s * 1000))
-        if meta.routing_map is None:
-            raise ValueError("the Triton backend needs meta.routing_map "
-                             "(build_metadata(..., routing_map=...))")
         maps = list(routing_maps)
         num_experts = meta.routing_map.shape[1]
         if len(maps) != num_ranks:
