@@ -7,7 +7,7 @@ One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
 * the signal counters, int64 [2R] in symmetric memory, never reset (so no reset can race a
   late increment):
   - arrivals, [0, R): counter s on rank g counts the GEMM2 tiles sender s stored into g's
-    buffer, summed over all calls. Each rank keeps the running total it expects from every
+    buffer (in the pre-reduced mode: its send CTAs for g), summed over all calls. Each rank keeps the running total it expects from every
     sender (`add_expected_arrivals`), which all ranks compute alike from the exchanged
     routing counts;
   - finalize counts, [R, 2R): counter R + g on rank s counts the calls whose finalize rank
@@ -129,7 +129,8 @@ class GatherRSWorkspace:
         """Grow the receive buffer to hold `rows` rows (collective when it grows).
 
         Every rank must call this with the same `rows` (the maximum over ranks of
-        `recv_rows_per_rank`, which all ranks compute alike). Grows to 1/8 more than asked,
+        `recv_rows_per_rank`, or R x the largest token count in the pre-reduced mode, which
+        all ranks compute alike). Grows to 1/8 more than asked,
         so that slowly growing inputs reallocate rarely without doubling the memory.
 
         Raises:

@@ -1,6 +1,7 @@
 """Triton kernels of the tile-signaled GEMM2 + GatherRS operation (DESIGN.md §1, §3), v4.
 
-Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
+The main kernels (plus the preparation kernels further down and the pre-reduced mode's
+`_reduce_send_kernel`, described at the end), launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
 
 * `_gemm_scatter_kernel` (persistent): GEMM2 tiles y[r0:r1, n0:n0+BN] =
   h[r0:r1] @ w2[l, n0:n0+BN]^T of every local expert l (bf16/fp16 in, fp32 accumulation,
@@ -33,7 +34,8 @@ Three kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
   prepared (while FC1 runs). Its last CTA adds 1 to this rank's finalize count on every
   other rank (release, system scope): the buffer is free for the next call.
 
-No pre-reduction happens before the rows travel: every (token, expert) row is stored once,
+In the default (direct) layout no pre-reduction happens before the rows travel: every
+(token, expert) row is stored once,
 where it is summed (the design brief's gather-then-send needs y written, re-read and
 written again; measured in docs/perf_notes.md, v3). This trades NVLink bytes (up to
 min(top-k, L) times more) for HBM bytes and a whole pass.
@@ -450,29 +452,32 @@ def _finalize_kernel(
                     tl.atomic_add(peer + num_ranks + my_rank, 1, sem="release", scope="sys")
 
 
-@triton.jit(do_not_specialize=["dest", "my_rank", "num_ranks", "num_tokens",
+@triton.jit(do_not_specialize=["dest", "my_rank", "num_ranks", "num_tokens", "num_rows",
                                "freed_target", "timeout_ns"])
 def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr, dest,
-                        my_rank, num_ranks, num_tokens, H, freed_target, timeout_ns, err_ptr,
-                        K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                        my_rank, num_ranks, num_tokens, num_rows, H, freed_target, timeout_ns,
+                        err_ptr, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                         USE_TIMER: tl.constexpr):
     """Pre-reduced send to `dest`: recv_dest[my_rank * num_tokens + t] = sum over j < K of
     y[rowy[t, j]] (fp32 sum in j order, stored in y's dtype) for each of dest's num_tokens
     tokens t with rowy[t, 0] >= 0 (a token with no expert here is not stored; dest's
     finalize skips that slot).
 
-    y: [N, H] this rank's GEMM2 rows (h order); rowy: int32 [num_tokens, K], the rows of
-    token t here, experts ascending, -1 past the last. Grid: token blocks of BT; each CTA
+    y: [num_rows, H] this rank's GEMM2 rows (h order); rowy: int32 [num_tokens, K], the rows
+    of token t here, experts ascending, -1 past the last (rows outside y are not read). Grid: token blocks of BT; each CTA
     walks the hidden columns BH at a time. For a remote dest every CTA first waits (acquire,
     system scope, bounded) until dest's finalize count sig[num_ranks + dest] reaches
     freed_target (its buffer is free), then stores over NVLink and adds 1 to its arrival
     counter at dest (release, system scope): dest expects one arrival per CTA. On a timeout
     the CTA records `ERR_SEND_WAIT` and neither stores nor signals (dest's finalize then
-    times out too).
+    times out too); once any error is recorded the CTAs still to come skip their wait, so a
+    dead destination costs one timeout, not one per wave.
     """
     ok = tl.full((), 1, tl.int32)
     remote = dest != my_rank
-    if remote:
+    if remote & (tl.load(err_ptr, volatile=True) != 0):
+        ok = tl.full((), 0, tl.int32)
+    elif remote:
         seen = _wait_at_least(sig_ptr + num_ranks + dest, freed_target, timeout_ns, "sys",
                               USE_TIMER)
         if seen < freed_target:
@@ -492,7 +497,8 @@ def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
         for j in tl.static_range(K):
             rows = tl.load(rowy_ptr + at + j, mask=t_ok, other=-1)
             v = tl.load(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                        mask=(rows[:, None] >= 0) & c_ok[None, :], other=0.0)
+                        mask=((rows >= 0) & (rows < num_rows))[:, None] & c_ok[None, :],
+                        other=0.0)
             acc += v.to(tl.float32)
         tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=keep[:, None] & c_ok[None, :])

@@ -47,14 +47,17 @@ def _as_list(splits) -> List[int]:
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
-def tokens_per_rank(counts: np.ndarray, num_experts: int, topk: int, me: int,
-                    my_tokens: int) -> Optional[List[int]]:
+def tokens_per_rank(counts: np.ndarray, num_experts: int, topk: int,
+                    dropless: bool) -> Optional[List[int]]:
     """Every rank's token count from the exchanged [R, >= E] tokens-per-expert counts: a
-    rank's routed pairs / top-k, which holds when every token has exactly top-k experts
-    (dropless routing). None when that does not fit (pairs not a multiple of top-k, or this
-    rank's own count differs): the caller gathers the counts instead."""
+    rank's routed pairs / top-k, exact when every token has exactly top-k experts (dropless
+    routing). None when routing may drop (`dropless` False: a capacity factor is set) or
+    the pairs are not a multiple of top-k: the caller then gathers the counts.
+
+    Decided from data every rank of the group holds alike (the exchanged counts and the
+    config), so every rank takes the same branch and launches the same collectives."""
     pairs = np.asarray(counts)[:, :num_experts].sum(axis=1)
-    if topk < 1 or np.any(pairs % topk) or int(pairs[me]) // topk != my_tokens:
+    if not dropless or topk < 1 or np.any(pairs % topk):
         return None
     return [int(x) // topk for x in pairs]
 
@@ -296,8 +299,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             # from the exchanged counts, so the gather needs no host sync.
             with span("mo.routing_maps"):
                 num_experts = self._counts.shape[1] - self.ep_size
+                dropless = getattr(self.config, "moe_expert_capacity_factor", None) is None
                 sizes = tokens_per_rank(self._counts, num_experts, self.config.moe_router_topk,
-                                        me, self.routing_map.shape[0])
+                                        dropless)
                 maps = gather_routing_maps(self.routing_map, group, sizes)
         with span("mo.prepare"):
             self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,

@@ -88,8 +88,10 @@ class PreReducedCall(_Call):
             meta.routing_map's shape.
 
     Raises:
-        ValueError: routing_maps of the wrong length, shape or device, or this rank's map not
-            meta's; meta without routed_counts or routing_map.
+        ValueError: routing_maps of the wrong length, dtype, shape or device, or this rank's
+            map not of meta's shape; meta without routed_counts or routing_map. The maps'
+            content is not checked against meta's counts (that needs a device sync): a map
+            that disagrees gives wrong sums, but no read outside y.
     """
 
     MODE = "prereduce"
@@ -108,11 +110,14 @@ class PreReducedCall(_Call):
         if len(maps) != num_ranks:
             raise ValueError(f"routing_maps: {len(maps)} maps for a group of {num_ranks}")
         for d, m in enumerate(maps):
-            if (not isinstance(m, torch.Tensor) or m.dim() != 2 or m.shape[1] != num_experts
-                    or m.device.type != device.type):
-                raise ValueError(f"routing_maps[{d}] must be a [T, {num_experts}] tensor on "
-                                 f"{device.type}, got "
-                                 f"{getattr(m, 'shape', type(m))} on {getattr(m, 'device', '-')}")
+            same_device = isinstance(m, torch.Tensor) and (
+                m.device == device or (device.index is None and m.device.type == device.type))
+            if (not same_device or m.dim() != 2 or m.shape[1] != num_experts
+                    or m.dtype not in (torch.bool, torch.uint8)):
+                raise ValueError(f"routing_maps[{d}] must be a bool/uint8 [T, {num_experts}] "
+                                 f"tensor on {device}, got {getattr(m, 'dtype', type(m))} "
+                                 f"{tuple(getattr(m, 'shape', ()))} on "
+                                 f"{getattr(m, 'device', '-')}")
         if maps[me].shape != meta.routing_map.shape:
             raise ValueError(f"routing_maps[{me}] (this rank) has shape {tuple(maps[me].shape)}"
                              f", meta.routing_map {tuple(meta.routing_map.shape)}")
@@ -216,7 +221,7 @@ class PreReducedCall(_Call):
             _reduce_send(
                 (-(-t_d // bt),), self.y, self.rowy[d],
                 ws.peer_recv_ptrs, ws.peer_signal_ptrs, ws.signals, d, self.rank, num_ranks,
-                t_d, self.hidden, self.freed_target, self.timeout, ws.error, K=self.k,
+                t_d, self.num_rows, self.hidden, self.freed_target, self.timeout, ws.error, K=self.k,
                 BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4)
 
     def gemm_only(self, grid: Optional[int] = None) -> None:

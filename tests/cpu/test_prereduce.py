@@ -71,8 +71,10 @@ def test_prereduced_call_checks_the_maps():
 
     with pytest.raises(ValueError, match="1 maps for a group of 2"):
         make(maps[:1])
-    with pytest.raises(ValueError, match=r"routing_maps\[1\] must be a \[T, 4\] tensor"):
+    with pytest.raises(ValueError, match=r"routing_maps\[1\] must be a bool/uint8 \[T, 4\]"):
         make([maps[0], maps[1][:, :3]])
+    with pytest.raises(ValueError, match=r"got torch.int64"):
+        make([maps[0], maps[1].long()])
     with pytest.raises(ValueError, match=r"routing_maps\[0\] \(this rank\)"):
         make([maps[1], maps[1]])
     with pytest.raises(TypeError, match="moe_gatherrs_prereduce=1 must be a bool"):
@@ -86,6 +88,6 @@ def test_tokens_per_rank_from_the_exchanged_counts():
 
     # [R, E + slot columns]: rank 0 has 5 tokens, rank 1 has 7, top-2, 4 experts.
     counts = np.array([[3, 2, 4, 1, 9], [4, 4, 3, 3, 9]])
-    assert tokens_per_rank(counts, 4, 2, me=0, my_tokens=5) == [5, 7]
-    assert tokens_per_rank(counts, 4, 2, me=1, my_tokens=6) is None  # own count differs
-    assert tokens_per_rank(counts, 4, 3, me=0, my_tokens=5) is None  # not a multiple
+    assert tokens_per_rank(counts, 4, 2, dropless=True) == [5, 7]
+    assert tokens_per_rank(counts, 4, 2, dropless=False) is None  # a capacity may drop
+    assert tokens_per_rank(counts, 4, 3, dropless=True) is None  # not a multiple

@@ -123,6 +123,18 @@ def _finish_error(call) -> str:
     return "no error raised"
 
 
+def _arrivals_mismatch(ws: list, r: int):
+    """Every rank's arrival counters equal the running targets it expects (exact once all
+    ranks finalized: the interpreter runs every send before any finalize, so a target that
+    is too low, or a surplus signal, shows only here); None when they do."""
+    for g in range(r):
+        seen = [int(x) for x in ws[g].signals[:r]]
+        want = [int(x) for x in ws[g].expected_arrivals]
+        if seen != want:
+            return f"rank {g} arrival counters {seen}, expected {want}"
+    return None
+
+
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
     import torch
@@ -166,6 +178,8 @@ def _simulate() -> dict:
             done = int(ws[g].finalize_done)
             if report[key] is None and done != ws[g].finalize_ctas:
                 report[key] = f"finalize CTAs done {done}, launched {ws[g].finalize_ctas}"
+            if report[key] is None:
+                report[key] = _arrivals_mismatch(ws, r)
     # Pre-reduced calls (`triton_prereduce`) on the same workspaces: their counters
     # continue the direct calls' above, so mixing the two modes is checked too.
     from megatron_overlap.ops.triton_prereduce import PreReducedCall
@@ -187,6 +201,10 @@ def _simulate() -> dict:
             counts = [int(ws[s].signals[r + g]) for s in range(r) if s != g]
             if report[key] is None and counts != [call.epoch] * (r - 1):
                 report[key] = f"finalize counts of rank {g}: {counts}, want {call.epoch}"
+        for g in range(r):
+            key = f"prereduce {case} rank {g}"
+            if report[key] is None:
+                report[key] = _arrivals_mismatch(ws, r)
     report["index"] = _index_mismatch()
     report["tile_list"] = _tile_list_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.

@@ -165,13 +165,16 @@ def test_triton_matches_reference(world):
     _assert_clean(run_distributed(_op_worker, world, timeout_s=580, backend="nccl"))
 
 
-def _back_to_back_worker(rank: int, world: int) -> dict:
+def _back_to_back_worker(rank: int, world: int, prereduce: bool = False) -> dict:
     """Triton calls back to back with no host sync between them, one rank's finalize made
-    late each call (a GPU sleep before it): the other rank's next producer must wait until
-    that finalize has read its buffer (one receive buffer serves every call), else the late
-    finalize sums the next call's rows. Checked against the reference, computed first."""
+    late each call (a GPU sleep before it): the other rank's next producer (or pre-reduced
+    send) must wait until that finalize has read its buffer (one receive buffer serves every
+    call), else the late finalize sums the next call's rows. Checked against the reference,
+    computed first. With `prereduce` the routing maps are gathered up front and passed in,
+    so no call syncs the host."""
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
+    from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps
 
     group = dist.group.WORLD
     routings = ("uniform", "skewed", "sparse")
@@ -183,17 +186,20 @@ def _back_to_back_worker(rank: int, world: int) -> dict:
     for case in cases:
         h, w2, meta = rank_operands(case, rank)
         operands.append((h.cuda(), w2.cuda(), meta.to("cuda")))
-    triton_opts = GatherRSOptions(backend="triton", timeout_s=20.0)
+    triton_opts = GatherRSOptions(backend="triton", timeout_s=20.0, prereduce=prereduce)
     with torch.no_grad():
         refs = [gemm2_gatherrs(h, w2, meta, group=group,
                                options=GatherRSOptions(backend="reference"))
                 for h, w2, meta in operands]
+        maps = [gather_routing_maps(meta.routing_map, group) if prereduce else None
+                for _, _, meta in operands]
         gemm2_gatherrs(*operands[-1], group=group, options=triton_opts)  # compile, grow
         torch.cuda.synchronize()
         dist.barrier()
         outs = []
         for i, (h, w2, meta) in enumerate(operands):
-            call = prepare_gemm2_gatherrs(h, w2, meta, group=group, options=triton_opts)
+            call = prepare_gemm2_gatherrs(h, w2, meta, group=group, options=triton_opts,
+                                          routing_maps=maps[i])
             call.send(h, w2)
             if rank == i % world:
                 torch.cuda._sleep(3_000_000)  # ~1.5 ms: this rank's finalize runs late
@@ -203,24 +209,30 @@ def _back_to_back_worker(rank: int, world: int) -> dict:
             for i, (out, ref) in enumerate(zip(outs, refs))}
 
 
+@pytest.mark.parametrize("prereduce", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
-def test_back_to_back_calls_with_a_late_finalize(world):
+def test_back_to_back_calls_with_a_late_finalize(world, prereduce):
     _needs_gpus(world)
-    _assert_clean(run_distributed(_back_to_back_worker, world, timeout_s=300,
+    _assert_clean(run_distributed(_back_to_back_worker, world, prereduce, timeout_s=300,
                                   backend="nccl"))
 
 
 def _timeout_worker(rank: int, world: int) -> list:
     """Rank 1 skips the calls: rank 0's first finalize must time out waiting for rank 1's
     arrivals (checked at once); its next producer must time out waiting for rank 1 to free
-    its receive buffer (found by the call after). Each record names both ranks."""
+    its receive buffer (found by the call after); then a pre-reduced call's send must time
+    out the same way. Each record names both ranks."""
     from megatron_overlap.config import GatherRSOptions
-    from megatron_overlap.ops import gemm2_gatherrs
+    from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
+    from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps
     from megatron_overlap.symm import destroy_workspaces, get_workspace
 
     case = OpCase(1, 2, num_experts=4, topk=2, tokens_per_rank=[64, 64], hidden=256, ffn=128,
                   dtype=torch.bfloat16)
-    _run(case, rank)  # compile + warm-up on both ranks
+    _run(case, rank)  # compile + warm-up on both ranks, both modes (no compile barrier later)
+    _run(case, rank, prereduce=True)
+    maps = gather_routing_maps(rank_operands(case, rank)[2].routing_map.cuda(),
+                               dist.group.WORLD)
     messages = ["rank 1 skipped the calls"]
     if rank == 0:
         h, w2, meta = rank_operands(case, rank)
@@ -243,6 +255,15 @@ def _timeout_worker(rank: int, world: int) -> list:
                 messages.append("no error (at the next call)")
             except RuntimeError as err:
                 messages.append(str(err))
+            pre = prepare_gemm2_gatherrs(h, w2, meta, group=dist.group.WORLD,
+                                         options=dataclasses.replace(opts, prereduce=True),
+                                         routing_maps=maps)
+            try:
+                pre.send(h, w2)
+                pre.finish(sync_errors=True)
+                messages.append("no error (pre-reduced)")
+            except RuntimeError as err:
+                messages.append(str(err))
     dist.barrier()
     destroy_workspaces()
     return messages
@@ -252,12 +273,14 @@ def test_timeout_names_rank_and_sender():
     _needs_gpus(2)
     # ~20 s when it passes; a hang shows every rank's stack at the limit (seen once, v4.3).
     messages = run_distributed(_timeout_worker, 2, timeout_s=120, backend="nccl")[0]
-    assert len(messages) == 2, messages
+    assert len(messages) == 3, messages
     for message in messages:
         assert "tp_ep rank 0" in message, message
     assert "finalize timed out waiting for sender rank 1" in messages[0], messages[0]
     assert "producer timed out waiting for rank 1 to free its receive buffer" in messages[1], \
         messages[1]
+    assert "pre-reduced send timed out waiting for rank 1 to free its receive buffer" in \
+        messages[2], messages[2]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
