@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "from it; 'off-te' is skipped where Transformer Engine is missing)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="moe_gatherrs_backend of the flag-on layer (default auto)")
+    parser.add_argument("--prereduce", action="store_true",
+                        help="moe_gatherrs_prereduce of the flag-on layer (the pre-reduced "
+                             "mode; Triton backend)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="params and compute dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,
@@ -196,6 +199,7 @@ class RunConfig:
     world_size: int
     profile: bool = False
     trace_dir: str = ""
+    prereduce: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -205,6 +209,9 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         ValueError: naming the bad option: a layout whose TP * EP does not divide the world
             size, `--device cuda` without CUDA, `--device cpu` with CUDA visible.
     """
+    if args.prereduce and args.backend == "reference":
+        raise ValueError("--prereduce needs the Triton backend (--backend triton or auto), "
+                         "got --backend reference")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -233,6 +240,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         layouts=tuple(dict.fromkeys(layouts)),
         baselines=tuple(v for v in VARIANTS if v == "off" or v in args.baselines),
         backend=args.backend,
+        prereduce=args.prereduce,
         dtype=args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16"),
         warmup=defaults["warmup"] if args.warmup is None else args.warmup,
         iters=defaults["iters"] if args.iters is None else args.iters,
@@ -338,6 +346,7 @@ def build_config(shape: Any, run: RunConfig, tp: int, ep: int, *, flag: bool, in
         moe_router_dtype="fp32",
         moe_gatherrs_overlap=flag,
         moe_gatherrs_backend=run.backend,
+        moe_gatherrs_prereduce=run.prereduce and flag,
     )
 
 
@@ -678,6 +687,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "local_experts": shape.num_moe_experts // ep,
                 "shared_expert_size": shape.moe_shared_expert_intermediate_size,
                 "backend_requested": run.backend, "backend": backend,
+                "prereduce": run.prereduce,
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,
                 **env,

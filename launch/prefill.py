@@ -240,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="moe_gatherrs_backend of the flag-on model (default auto)",
     )
     parser.add_argument(
+        "--prereduce",
+        action="store_true",
+        help="moe_gatherrs_prereduce of the flag-on model (the pre-reduced mode; Triton "
+             "backend)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=("auto", "bf16", "fp32"),
         default="auto",
@@ -319,6 +325,7 @@ class RunConfig:
     device: str
     seed: int
     world_size: int
+    prereduce: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -329,6 +336,9 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
             `--device cuda` without CUDA, `--device cpu` with CUDA visible (the CPU patches
             refuse that), sequence parallel with TP = 1.
     """
+    if args.prereduce and args.backend == "reference":
+        raise ValueError("--prereduce needs the Triton backend (--backend triton or auto), "
+                         "got --backend reference")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -361,6 +371,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         dp=world_size // args.tp,
         sequence_parallel=sp,
         backend=args.backend,
+        prereduce=args.prereduce,
         dtype=dtype,
         attention=args.attention,
         reference=args.reference,
@@ -553,6 +564,7 @@ def build_config(shape: Any, run: RunConfig, *, flag: bool, dtype: str, initiali
         attention_backend=AttnBackend.auto if HAVE_TE else AttnBackend.local,
         moe_gatherrs_overlap=flag,
         moe_gatherrs_backend=run.backend,
+        moe_gatherrs_prereduce=run.prereduce and flag,
     )
 
 
@@ -1368,6 +1380,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "dtype": run.dtype,
         "attention": run.attention,
         "backend_requested": run.backend,
+        "prereduce": run.prereduce,
         "backend": backend,
         "reference": reference_used,
         "fused_moe_layers": fused_layers,

@@ -89,7 +89,9 @@ class GatherRSOptions:
     waiting for a destination to free its receive buffer)."""
 
     prereduce: bool = False
-    """Triton backend only, opt-in, not yet measured on a GPU: sum each token's rows on the
+    """Triton backend only (an error with backend "reference"; with "auto" where the Triton
+    path cannot run, the fallback warning says it is dropped), opt-in, not yet measured on
+    a GPU: sum each token's rows on the
     rank that computed them before they travel (one row per token and source rank over
     NVLink instead of one per (token, expert); the GEMM2 then stores locally and the send
     is a pass of its own, `megatron_overlap.ops.triton_prereduce`). Needs every rank's
@@ -105,6 +107,9 @@ class GatherRSOptions:
                 f"moe_gatherrs_backend={self.backend!r} is not supported; expected one of "
                 f"{BACKENDS}"
             )
+        if self.prereduce and self.backend == "reference":
+            raise ValueError("moe_gatherrs_prereduce=True needs the Triton backend "
+                             "(moe_gatherrs_backend 'triton' or 'auto'), got 'reference'")
         if self.num_comm_ctas is not None:
             if isinstance(self.num_comm_ctas, bool) or not isinstance(self.num_comm_ctas,
                                                                       numbers.Integral):

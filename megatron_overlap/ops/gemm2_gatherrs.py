@@ -6,6 +6,7 @@ Shape symbols as in `megatron_overlap.metadata`.
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 from typing import List, Optional, Sequence
 
@@ -53,7 +54,7 @@ def triton_unavailable_reason(h: torch.Tensor, w2: torch.Tensor,
 
 
 def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,
-                    group: Optional[dist.ProcessGroup]) -> str:
+                    group: Optional[dist.ProcessGroup], prereduce: bool = False) -> str:
     """The backend that runs this call: `"triton"` or `"reference"`.
 
     `"auto"` takes the Triton kernels where they can run and otherwise the reference path,
@@ -72,9 +73,11 @@ def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,
         return "triton"
     if backend == "triton":
         raise RuntimeError(f"moe_gatherrs_backend='triton' cannot run here: {reason}")
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"moe_gatherrs_backend='auto' runs the reference path: {reason}",
+    key = (reason, prereduce)
+    if key not in _warned:
+        _warned.add(key)
+        dropped = " (moe_gatherrs_prereduce is dropped there)" if prereduce else ""
+        warnings.warn(f"moe_gatherrs_backend='auto' runs the reference path{dropped}: {reason}",
                       stacklevel=3)
     return "reference"
 
@@ -134,7 +137,7 @@ def prepare_gemm2_gatherrs(
     if not isinstance(w2, torch.Tensor) or w2.dim() != 3:
         raise ValueError(f"w2 must be a [L, H, F] tensor, got "
                          f"{tuple(w2.shape) if isinstance(w2, torch.Tensor) else type(w2)}")
-    backend = resolve_backend(options.backend, h_like, w2, group)
+    backend = resolve_backend(options.backend, h_like, w2, group, options.prereduce)
     if backend == "reference":
         return None
     from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, compiled_resources
@@ -173,30 +176,41 @@ def gather_routing_maps(routing_map: torch.Tensor, group: Optional[dist.ProcessG
 
     Returns:
         R tensors [T_d, E] (bool) on routing_map's device: one all-gather of the maps padded
-        to the largest T.
+        to the largest T. Every rank must pass the same E and the same num_tokens (or None
+        on all ranks); that is not checked (it would take another collective).
 
     Raises:
-        ValueError: routing_map is not 2-D, or num_tokens has the wrong length or does not
-            hold this rank's T at its group rank.
+        ValueError: routing_map is not a bool/uint8 2-D tensor, or num_tokens has the wrong
+            length, holds something other than integers >= 0, or not this rank's T at its
+            group rank (raised before any collective).
     """
-    if routing_map is None or routing_map.dim() != 2:
-        raise ValueError("routing_map must be a [T, E] tensor")
-    if group is None or dist.get_world_size(group) == 1:
-        return [routing_map]
-    world = dist.get_world_size(group)
+    if (not isinstance(routing_map, torch.Tensor) or routing_map.dim() != 2
+            or routing_map.dtype not in (torch.bool, torch.uint8)):
+        raise ValueError(f"routing_map must be a bool/uint8 [T, E] tensor, got "
+                         f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} "
+                         f"{tuple(getattr(routing_map, 'shape', ()))}")
+    world = 1 if group is None else dist.get_world_size(group)
+    me = 0 if group is None else dist.get_rank(group)
     if num_tokens is not None:
-        sizes = [int(x) for x in num_tokens]
-        me = dist.get_rank(group)
-        if len(sizes) != world or sizes[me] != routing_map.shape[0]:
-            raise ValueError(f"num_tokens={sizes}: expected {world} entries with this rank's "
-                             f"{routing_map.shape[0]} tokens at index {me}")
-    else:
+        sizes = list(num_tokens)
+        if (len(sizes) != world or any(isinstance(x, bool) or not isinstance(x, numbers.Integral)
+                                       or x < 0 for x in sizes)
+                or sizes[me] != routing_map.shape[0]):
+            raise ValueError(f"num_tokens={num_tokens!r}: expected {world} integers >= 0 with "
+                             f"this rank's {routing_map.shape[0]} tokens at index {me}")
+        sizes = [int(x) for x in sizes]
+    if world == 1:
+        return [routing_map.view(torch.bool)]
+    if num_tokens is None:
         size = torch.tensor([routing_map.shape[0]], dtype=torch.int64,
                             device=routing_map.device)
         gathered = torch.empty(world, dtype=torch.int64, device=routing_map.device)
         dist.all_gather_into_tensor(gathered, size, group=group)
         sizes = [int(x) for x in gathered.tolist()]
     top = max(sizes)
+    if top == 0:  # no tokens anywhere: nothing to gather (every rank knows it)
+        return [routing_map.new_zeros(0, routing_map.shape[1]).view(torch.bool)
+                for _ in range(world)]
     padded = routing_map.new_zeros(top, routing_map.shape[1]).view(torch.uint8)
     padded[: routing_map.shape[0]] = routing_map.view(torch.uint8)
     out = padded.new_empty(world * top, routing_map.shape[1])

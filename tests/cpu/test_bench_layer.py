@@ -144,6 +144,15 @@ def test_bad_layout_exits_2(tmp_path):
     assert rows == []
 
 
+def test_prereduce_needs_the_triton_backend():
+    mod = _module()
+    parser = mod.build_parser()
+    with pytest.raises(ValueError, match="--prereduce needs the Triton backend"):
+        mod.resolve_args(parser.parse_args(["--prereduce", "--backend", "reference"]), 1)
+    run = mod.resolve_args(parser.parse_args(["--prereduce", "--device", "cpu"]), 1)
+    assert run.prereduce and run.backend == "auto"
+
+
 def test_trace_dir_needs_profile_and_a_writable_place(tmp_path):
     mod = _module()
     parser = mod.build_parser()

@@ -250,6 +250,17 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
     assert "| tiny | tp1/ep1/dp1/sp0 | 1 (1 MoE) | 32 |" in text and "off-grouped / on" in text
 
 
+def test_prereduce_needs_the_triton_backend():
+    module = _prefill_module()
+    parser = module.build_parser()
+    with pytest.raises(ValueError, match="--prereduce needs the Triton backend"):
+        module.resolve_args(parser.parse_args(["--prereduce", "--backend", "reference",
+                                               "--device", "cpu"]), world_size=1)
+    run = module.resolve_args(parser.parse_args(["--prereduce", "--device", "cpu"]),
+                              world_size=1)
+    assert run.prereduce and run.backend == "auto"
+
+
 def test_num_moe_layers_keeps_leading_dense_layers():
     module = _prefill_module()
     from megatron_overlap.models import load_model_shape

@@ -42,13 +42,33 @@ def test_gather_routing_maps(world):
         assert "expected" in report["bad counts"] and "tokens at index" in report["bad counts"]
 
 
-def test_single_rank_gather_is_the_map():
+def test_gather_checks_its_inputs_before_any_collective():
     from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps
 
     m = _map(0)
-    assert gather_routing_maps(m, None)[0] is m
-    with pytest.raises(ValueError, match=r"\[T, E\]"):
+    assert torch.equal(gather_routing_maps(m, None)[0], m)
+    assert torch.equal(gather_routing_maps(m.to(torch.uint8), None, num_tokens=[3])[0], m)
+    with pytest.raises(ValueError, match=r"bool/uint8 \[T, E\]"):
         gather_routing_maps(m[0], None)
+    with pytest.raises(ValueError, match=r"got torch.float32"):
+        gather_routing_maps(m.float(), None)
+    with pytest.raises(ValueError, match=r"got list"):
+        gather_routing_maps([[True]], None)
+    for bad in ([99], [3, 3], ["3"], [3.0], [True]):
+        with pytest.raises(ValueError, match="num_tokens="):
+            gather_routing_maps(m, None, num_tokens=bad)
+
+
+def _empty_worker(rank: int, world: int) -> list:
+    from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps
+
+    out = gather_routing_maps(torch.zeros(0, 4, dtype=torch.bool), dist.group.WORLD)
+    return [tuple(o.shape) for o in out] + [str(o.dtype) for o in out]
+
+
+def test_gather_with_no_tokens_anywhere():
+    for shapes in run_distributed(_empty_worker, 2):
+        assert shapes == [(0, 4), (0, 4), "torch.bool", "torch.bool"], shapes
 
 
 def test_prereduced_call_checks_the_maps():
@@ -79,6 +99,8 @@ def test_prereduced_call_checks_the_maps():
         make([maps[1], maps[1]])
     with pytest.raises(TypeError, match="moe_gatherrs_prereduce=1 must be a bool"):
         GatherRSOptions(prereduce=1)
+    with pytest.raises(ValueError, match="needs the Triton backend"):
+        GatherRSOptions(prereduce=True, backend="reference")
 
 
 def test_tokens_per_rank_from_the_exchanged_counts():
