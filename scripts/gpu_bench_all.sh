@@ -28,6 +28,9 @@
 # MO_WITH_OP=1 adds the operator grid (launch/bench_op.py, 4 models x 4096 / 16384 tokens x
 # ep / tp; bench_op.jsonl + bench_op.png: 8 files in all) after the layer grid, with 20 % of
 # what is left of the budget (added in v4.2; its bench_op command ran, this wrapper not yet).
+# MO_PREREDUCE=1 runs the flag-on variant of the layer grid and the prefill in the
+# pre-reduced mode (`--prereduce`; rows carry "prereduce": true: give make_report those
+# rows apart from the direct-mode rows, it does not tell the two apart).
 # Knobs (environment): MO_BUDGET_S (default 480: seconds for phases 1-3), MO_MODELS
 # (space-separated), MO_SEQS, MO_LAYER_ITERS (20), MO_PREFILL_ITERS (10), MO_MOE_LAYERS (2),
 # MO_NPROC (2: GPUs used), MO_LAYOUTS (default "ep<N> tp<N>"; tpXepY names with
@@ -54,6 +57,8 @@ nproc=${MO_NPROC:-2}
 export TQDM_DISABLE=1 MO_STACK_DUMP_S=${MO_STACK_DUMP_S:-150}
 start=$(date +%s)
 status=0
+extra=()
+[[ ${MO_PREREDUCE:-0} == 1 ]] && extra=(--prereduce)
 
 left() { echo $(( budget - ($(date +%s) - start) )); }
 
@@ -97,7 +102,7 @@ done
 # shellcheck disable=SC2086
 run_phase "layer grid" 45 torchrun --standalone --nproc_per_node "$nproc" launch/bench_layer.py \
   --model $models --seq-lengths $seqs --layouts $layouts \
-  --warmup 3 --iters "${MO_LAYER_ITERS:-20}" --out "$out/layer.jsonl"
+  --warmup 3 --iters "${MO_LAYER_ITERS:-20}" --out "$out/layer.jsonl" "${extra[@]}"
 
 if [[ ${MO_WITH_OP:-0} == 1 ]]; then
   # The operator grid (~50 s on 2x H200 for these 16 workloads): bench_op.jsonl + .png.
@@ -114,7 +119,7 @@ for layout in "${prefill_layouts[@]}"; do
   run_phase "prefill $layout" "$share" torchrun --standalone --nproc_per_node "$nproc" \
     launch/prefill.py --model $models --num-moe-layers "${MO_MOE_LAYERS:-2}" \
     --seq-lengths $seqs $layout --attention sdpa --baselines off off-grouped \
-    --warmup 2 --iters "${MO_PREFILL_ITERS:-10}" --out "$out/prefill.jsonl"
+    --warmup 2 --iters "${MO_PREFILL_ITERS:-10}" --out "$out/prefill.jsonl" "${extra[@]}"
 done
 
 echo "== report" | tee -a "$log"
