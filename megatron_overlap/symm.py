@@ -7,9 +7,9 @@ One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
 * the signal counters, int64 [2R] in symmetric memory, never reset (so no reset can race a
   late increment):
   - arrivals, [0, R): counter s on rank g counts the GEMM2 tiles sender s stored into g's
-    buffer (in the pre-reduced mode: its send CTAs for g), summed over all calls. Each rank keeps the running total it expects from every
-    sender (`add_expected_arrivals`), which all ranks compute alike from the exchanged
-    routing counts;
+    buffer (in the pre-reduced mode: its send CTAs for g), summed over all calls. Each
+    rank keeps the running total it expects from every sender (`add_expected_arrivals`),
+    which all ranks compute alike from the exchanged routing counts;
   - finalize counts, [R, 2R): counter R + g on rank s counts the calls whose finalize rank
     g has finished (its last finalize CTA adds 1 on every other rank). Before sender s
     stores call i's rows into g's buffer it waits until that count reaches i - 1, i.e. g
@@ -251,8 +251,8 @@ class GatherRSWorkspace:
             RuntimeError: names this rank, the rank waited for, the count seen and the count
                 expected: a finalize that waited for a sender's arrivals, or a GEMM2
                 producer or a pre-reduced send that waited for a destination's finalize
-                count (its receive buffer still in use). The workspace is unusable afterwards (counters are out of
-                step across ranks).
+                count (its receive buffer still in use). The workspace is unusable
+                afterwards (counters are out of step across ranks).
         """
         if self._destroyed:
             return

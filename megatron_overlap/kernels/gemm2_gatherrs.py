@@ -1,7 +1,8 @@
 """Triton kernels of the tile-signaled GEMM2 + GatherRS operation (DESIGN.md §1, §3), v4.
 
-The main kernels (plus the preparation kernels further down and the pre-reduced mode's
-`_reduce_send_kernel`, described at the end), launched by `megatron_overlap.ops.triton_gemm2_gatherrs`:
+The main kernels, launched by `megatron_overlap.ops.triton_gemm2_gatherrs` (the preparation
+kernels further down, and the pre-reduced mode's `_reduce_send_kernel`, described at the
+end):
 
 * `_gemm_scatter_kernel` (persistent): GEMM2 tiles y[r0:r1, n0:n0+BN] =
   h[r0:r1] @ w2[l, n0:n0+BN]^T of every local expert l (bf16/fp16 in, fp32 accumulation,
@@ -464,11 +465,12 @@ def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
     finalize skips that slot).
 
     y: [num_rows, H] this rank's GEMM2 rows (h order); rowy: int32 [num_tokens, K], the rows
-    of token t here, experts ascending, -1 past the last (rows outside y are not read). Grid: token blocks of BT; each CTA
-    walks the hidden columns BH at a time. For a remote dest every CTA first waits (acquire,
-    system scope, bounded) until dest's finalize count sig[num_ranks + dest] reaches
-    freed_target (its buffer is free), then stores over NVLink and adds 1 to its arrival
-    counter at dest (release, system scope): dest expects one arrival per CTA. On a timeout
+    of token t here, experts ascending, -1 past the last (rows outside y are not read).
+    Grid: token blocks of BT; each CTA walks the hidden columns BH at a time. For a remote
+    dest every CTA first waits (acquire, system scope, bounded) until dest's finalize count
+    sig[num_ranks + dest] reaches freed_target (its buffer is free), then stores over
+    NVLink and adds 1 to its arrival counter at dest (release, system scope): dest expects
+    one arrival per CTA. On a timeout
     the CTA records `ERR_SEND_WAIT` and neither stores nor signals (dest's finalize then
     times out too); once any error is recorded the CTAs still to come skip their wait, so a
     dead destination costs one timeout, not one per wave.

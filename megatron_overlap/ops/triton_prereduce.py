@@ -221,8 +221,8 @@ class PreReducedCall(_Call):
             _reduce_send(
                 (-(-t_d // bt),), self.y, self.rowy[d],
                 ws.peer_recv_ptrs, ws.peer_signal_ptrs, ws.signals, d, self.rank, num_ranks,
-                t_d, self.num_rows, self.hidden, self.freed_target, self.timeout, ws.error, K=self.k,
-                BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4)
+                t_d, self.num_rows, self.hidden, self.freed_target, self.timeout, ws.error,
+                K=self.k, BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4)
 
     def gemm_only(self, grid: Optional[int] = None) -> None:
         """Not available for pre-reduced calls (the GEMM stores locally anyway: time

@@ -5,8 +5,11 @@ ranks' workspaces (`symm.local_workspaces`). All ranks send (the GEMM2 + scatter
 one program, or several with the static wave-ordered list or dynamic claims), then all
 finalize; outputs are checked against the dense formula, over several calls on the same
 workspaces with new routing, sizes and data each call (one receive buffer reused, growing
-epochs, every rank's finalize count checked on every other rank). Concurrency and memory ordering are not exercised here (the interpreter runs one
-program at a time): the GPU tests cover them.
+epochs, every rank's finalize count checked on every other rank, every arrival counter
+checked exactly); then the same cases in the pre-reduced mode on the same workspaces, and
+the timeouts of a finalize, a producer and a pre-reduced send. Concurrency and memory
+ordering are not exercised here (the interpreter runs one program at a time): the GPU
+tests cover them.
 
 Runs in a subprocess because the interpreter must be chosen before the kernels are defined.
 """

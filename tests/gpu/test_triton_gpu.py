@@ -1,7 +1,8 @@
 """The Triton GEMM2 + GatherRS kernels on GPUs: against the reference, across calls, CTA
 counts, tile configurations, layouts and the pre-reduced mode, back-to-back calls with a
-late finalize (the one-buffer protocol), plus the timeout diagnosis. Skipped without CUDA; world 2 needs 2 GPUs,
-world 4 (TP2 x EP2, EP4, TP4) needs 4 (not run yet: no 4-GPU machine has been lent).
+late finalize (the one-buffer protocol), plus the timeout diagnosis. Skipped without CUDA;
+world 2 needs 2 GPUs, world 4 (TP2 x EP2, EP4, TP4) needs 4 (not run yet: no 4-GPU machine
+has been lent).
 
 bf16 tolerance 2 ** -6 relative to the case's largest |output| (as the CPU suites): the
 kernels round each GEMM2 row to bf16 and sum a token's rows in fp32 once; the reference
