@@ -453,28 +453,41 @@ def _finalize_kernel(
                     tl.atomic_add(peer + num_ranks + my_rank, 1, sem="release", scope="sys")
 
 
-@triton.jit(do_not_specialize=["dest", "my_rank", "num_ranks", "num_tokens", "num_rows",
-                               "freed_target", "timeout_ns"])
-def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr, dest,
-                        my_rank, num_ranks, num_tokens, num_rows, H, freed_target, timeout_ns,
-                        err_ptr, K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+@triton.jit(do_not_specialize=["my_rank", "num_ranks", "num_rows", "freed_target",
+                               "timeout_ns"])
+def _reduce_send_kernel(y_ptr, rowy_ptr, table_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
+                        my_rank, num_ranks, num_rows, H, freed_target, timeout_ns, err_ptr,
+                        K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                         USE_TIMER: tl.constexpr):
-    """Pre-reduced send to `dest`: recv_dest[my_rank * num_tokens + t] = sum over j < K of
-    y[rowy[t, j]] (fp32 sum in j order, stored in y's dtype) for each of dest's num_tokens
-    tokens t with rowy[t, 0] >= 0 (a token with no expert here is not stored; dest's
-    finalize skips that slot).
+    """Pre-reduced send of one call to every destination, one launch: for destination d,
+    recv_d[my_rank * T_d + t] = sum over j < K of y[rowy_d[t, j]] (fp32 sum in j order,
+    stored in y's dtype) for each of d's T_d tokens t with rowy_d[t, 0] >= 0 (a token with
+    no expert here is not stored; d's finalize skips that slot).
 
-    y: [num_rows, H] this rank's GEMM2 rows (h order); rowy: int32 [num_tokens, K], the rows
-    of token t here, experts ascending, -1 past the last (rows outside y are not read).
-    Grid: token blocks of BT; each CTA walks the hidden columns BH at a time. For a remote
-    dest every CTA first waits (acquire, system scope, bounded) until dest's finalize count
-    sig[num_ranks + dest] reaches freed_target (its buffer is free), then stores over
-    NVLink and adds 1 to its arrival counter at dest (release, system scope): dest expects
-    one arrival per CTA. On a timeout
-    the CTA records `ERR_SEND_WAIT` and neither stores nor signals (dest's finalize then
-    times out too); once any error is recorded the CTAs still to come skip their wait, so a
-    dead destination costs one timeout, not one per wave.
+    y: [num_rows, H] this rank's GEMM2 rows (h order); rowy: int32 [sum_d T_d, K], every
+    destination's rows of its tokens here (experts ascending, -1 past the last; rows outside
+    y are not read), destinations in group-rank order. table: int32 [4R + 1]: the send
+    order of the destinations (remote ones first, this rank last), the first CTA of each
+    (R + 1 prefix entries, in send order), then by group rank T_d and d's first row in rowy.
+    Grid: every destination's token blocks of BT, in send order (so the NVLink-bound
+    remote blocks start first and the local ones fill the SMs behind them); each CTA walks
+    the hidden columns BH at a time. For a remote d every CTA first waits (acquire, system
+    scope, bounded) until d's finalize count sig[num_ranks + d] reaches freed_target (its
+    buffer is free), then stores over NVLink and adds 1 to its arrival counter at d (release,
+    system scope): d expects one arrival per CTA. On a timeout the CTA records
+    `ERR_SEND_WAIT` and neither stores nor signals (d's finalize then times out too); once
+    any error is recorded the CTAs still to come skip their wait, so a dead destination
+    costs one timeout, not one per wave.
     """
+    pid = tl.program_id(0)
+    sel = 0
+    for i in range(1, num_ranks):
+        if pid >= tl.load(table_ptr + num_ranks + i):
+            sel = i
+    dest = tl.load(table_ptr + sel)
+    block = pid - tl.load(table_ptr + num_ranks + sel)
+    num_tokens = tl.load(table_ptr + 2 * num_ranks + 1 + dest)
+    row0 = tl.load(table_ptr + 3 * num_ranks + 1 + dest).to(tl.int64)
     ok = tl.full((), 1, tl.int32)
     remote = dest != my_rank
     if remote & (tl.load(err_ptr, volatile=True) != 0):
@@ -485,9 +498,9 @@ def _reduce_send_kernel(y_ptr, rowy_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
         if seen < freed_target:
             _record_error(err_ptr, _ERR_SEND_WAIT, dest, seen, freed_target)
             ok = tl.full((), 0, tl.int32)
-    tokens = tl.program_id(0) * BT + tl.arange(0, BT)
+    tokens = block * BT + tl.arange(0, BT)
     t_ok = tokens < num_tokens
-    at = tokens.to(tl.int64) * K
+    at = (row0 + tokens.to(tl.int64)) * K
     first = tl.load(rowy_ptr + at, mask=t_ok, other=-1)
     keep = (tl.where(ok != 0, first, -1) >= 0) & t_ok
     dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(y_ptr.dtype.element_ty))

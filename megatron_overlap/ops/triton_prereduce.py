@@ -17,9 +17,11 @@ Per call, on rank `me` of the tp_ep group (R ranks, T_d tokens on rank d):
      `_index_kernel` on d's routing map restricted to this EP rank's experts); the finalize
      index [T_me, R]: slot s * T_me + t when token t has an expert on source s's EP rank,
      else -1.
-  3. send: `_gemm_scatter_kernel` into y, then `_reduce_send_kernel` per destination (remote
-     ones first, round-robin after `me`), each storing one row per token into d's receive
-     buffer at slot me * T_d + t and signalling one arrival per CTA.
+  3. send: `_gemm_scatter_kernel` into y, then one `_reduce_send_kernel` launch for every
+     destination (its CTAs in send order: remote destinations first, round-robin after
+     `me`, so the local sums fill the SMs behind the NVLink-bound ones), each CTA storing
+     one row per token of its block into d's receive buffer at slot me * T_d + t and
+     signalling one arrival.
   4. finish: `_finalize_kernel` sums the R slots of each token in group-rank order
      (deterministic), then signals "buffer free" as in the direct layout.
 
@@ -68,8 +70,8 @@ _reduce_send = FastLauncher(k._reduce_send_kernel)
 
 
 def send_blocks(num_tokens: int, gpu: bool) -> int:
-    """CTAs of one `_reduce_send_kernel` launch for a destination with `num_tokens` tokens:
-    the arrivals that destination expects from each source (0 without tokens: no launch)."""
+    """`_reduce_send_kernel` CTAs for a destination with `num_tokens` tokens: the arrivals
+    that destination expects from each source (0 without tokens)."""
     bt = REDUCE_SEND_BLOCK[0] if gpu else 8
     if num_tokens <= 0:
         return 0
@@ -146,31 +148,43 @@ class PreReducedCall(_Call):
                            dtype=np.int64)
         arrivals[me] = 0
         targets = ws.add_expected_arrivals(arrivals)
+        # The send's table (`_reduce_send_kernel`): send order, first CTA per destination
+        # in that order, then by group rank the token counts and first rows in rowy.
+        order = destination_order(me, num_ranks)
+        blocks = [send_blocks(self.tokens[d], self.gpu) for d in order]
+        row_start = np.cumsum([0] + self.tokens[:-1])
+        send = np.concatenate([order, np.cumsum([0] + blocks), self.tokens,
+                               row_start]).astype(np.int32)
+        self.send_ctas = int(sum(blocks))
         with span("mo.h2d"):
             r2 = 2 * num_ranks
-            host = torch.empty(r2 + base.size + table.size, dtype=torch.int32,
+            host = torch.empty(r2 + send.size + base.size + table.size, dtype=torch.int32,
                                pin_memory=self.gpu)
             buf = host.numpy()
             buf[:r2] = targets.astype(np.int64).view(np.int32)
-            buf[r2: r2 + base.size] = base.reshape(-1)
-            buf[r2 + base.size:] = table.reshape(-1)
+            buf[r2: r2 + send.size] = send
+            o = r2 + send.size
+            buf[o: o + base.size] = base.reshape(-1)
+            buf[o + base.size:] = table.reshape(-1)
             dev = host.to(device, non_blocking=True)
             self.targets = dev[:r2].view(torch.int64)
-            bases = dev[r2: r2 + base.size].view(num_ranks, 1, num_local)
-            self.tiles = dev[r2 + base.size:].view(-1, k.TILE_FIELDS)
+            self.send_table = dev[r2: r2 + send.size]
+            bases = dev[o: o + base.size].view(num_ranks, 1, num_local)
+            self.tiles = dev[o + base.size:].view(-1, k.TILE_FIELDS)
         with span("mo.prepare_kernels"):
             self.k = max(1, min(int(meta.topk or num_local), num_local))
             bt = INDEX_BLOCK_TOKENS if self.gpu else 16
             ep2 = max(16, triton.next_power_of_2(num_local))
             warps = 8 if ep2 >= 256 else 4
             cols = slice(meta.ep_rank * num_local, (meta.ep_rank + 1) * num_local)
-            self.rowy = []
+            # Every destination's rows here, one tensor (destinations in group-rank order).
+            self.rowy = torch.empty(max(1, sum(self.tokens)), self.k, dtype=torch.int32,
+                                    device=device)
             for d, m in enumerate(maps):
                 t_d = self.tokens[d]
-                rowy = torch.empty(t_d, self.k, dtype=torch.int32, device=device)
-                self.rowy.append(rowy)
                 if t_d == 0:
                     continue
+                rowy = self.rowy[int(row_start[d]): int(row_start[d]) + t_d]
                 rmap = m[:, cols].contiguous().view(torch.uint8)
                 nb = -(-t_d // bt)
                 counts = torch.empty(nb, num_local, dtype=torch.int32, device=device)
@@ -214,15 +228,12 @@ class PreReducedCall(_Call):
             if self.gpu:
                 _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
         bt, bh = REDUCE_SEND_BLOCK if self.gpu else (8, 16)
-        for d in destination_order(self.rank, num_ranks):
-            t_d = self.tokens[d]
-            if t_d == 0:
-                continue
+        if self.send_ctas:  # every destination in one launch (send order: remote first)
             _reduce_send(
-                (-(-t_d // bt),), self.y, self.rowy[d],
-                ws.peer_recv_ptrs, ws.peer_signal_ptrs, ws.signals, d, self.rank, num_ranks,
-                t_d, self.num_rows, self.hidden, self.freed_target, self.timeout, ws.error,
-                K=self.k, BT=bt, BH=bh, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4)
+                (self.send_ctas,), self.y, self.rowy, self.send_table, ws.peer_recv_ptrs,
+                ws.peer_signal_ptrs, ws.signals, self.rank, num_ranks, self.num_rows,
+                self.hidden, self.freed_target, self.timeout, ws.error, K=self.k, BT=bt,
+                BH=bh, USE_TIMER=self.gpu, num_warps=8 if self.gpu else 4)
 
     def gemm_only(self, grid: Optional[int] = None) -> None:
         """Not available for pre-reduced calls (the GEMM stores locally anyway: time
