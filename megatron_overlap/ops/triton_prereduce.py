@@ -10,8 +10,9 @@ pass instead of v3's gather items.
 
 Per call, on rank `me` of the tp_ep group (R ranks, T_d tokens on rank d):
   1. host (prepare): `direct_layout` gives, per (local expert l, destination d), the first
-     row of d's chunk of expert l in h; the tile list stores every tile into a local buffer
-     y in h's row order (no signals); one pinned H2D copy.
+     row of d's chunk of expert l in h; its segments, re-pointed at a local buffer y in h's
+     row order, give the tile list (expanded on the device, no signals); one pinned H2D
+     copy.
   2. device (prepare): for every destination d, rowy_d [T_d, K] (K = min(top-k, L)): the rows
      in y of d's token t, its local experts ascending (`_prepare_kernel` block counts +
      `_index_kernel` on d's routing map restricted to this EP rank's experts); the finalize
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 import triton
 
+from megatron_overlap.config import tile_list_source
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.kernels.launch import FastLauncher
 from megatron_overlap.metadata import GatherRSMetadata
@@ -133,13 +135,19 @@ class PreReducedCall(_Call):
             base[seg[:, 3], seg[:, 0]] = seg[:, 1] - 1
             seg[:, 3] = me  # every tile into the local y, in h's row order
             seg[:, 4] = seg[:, 1]
-            local = DirectLayout(
-                segments=seg, num_remote=0, num_local=lay.num_remote + lay.num_local,
-                col_blocks=lay.col_blocks, bm=lay.bm, bn=lay.bn, arrivals=lay.arrivals,
-                recv_rows=lay.recv_rows, finalize_base=lay.finalize_base,
-                num_pairs=lay.num_pairs)
-            table = expand_tiles(local)
-        self.num_remote, self.num_local = 0, len(table)
+            num_tiles = lay.num_remote + lay.num_local
+            # The tile list is expanded on the device from the segments (`_tile_list_block`,
+            # list order), or on the host with MEGATRON_OVERLAP_TILE_LIST=host.
+            on_host = tile_list_source() == "host"
+            if on_host:
+                table = expand_tiles(DirectLayout(
+                    segments=seg, num_remote=0, num_local=num_tiles,
+                    col_blocks=lay.col_blocks, bm=lay.bm, bn=lay.bn, arrivals=lay.arrivals,
+                    recv_rows=lay.recv_rows, finalize_base=lay.finalize_base,
+                    num_pairs=lay.num_pairs))
+            else:
+                table = seg
+        self.num_remote, self.num_local = 0, num_tiles
         self.num_rows = int(lay.segments[:, 2].sum()) if len(lay.segments) else 0
         ws.ensure_capacity(num_ranks * max(self.tokens))
         self.epoch = ws.next_epoch()
@@ -170,12 +178,25 @@ class PreReducedCall(_Call):
             self.targets = dev[:r2].view(torch.int64)
             self.send_table = dev[r2: r2 + send.size]
             bases = dev[o: o + base.size].view(num_ranks, 1, num_local)
-            self.tiles = dev[o + base.size:].view(-1, k.TILE_FIELDS)
+            table = dev[o + base.size:].view(-1, k.TILE_FIELDS)
         with span("mo.prepare_kernels"):
             self.k = max(1, min(int(meta.topk or num_local), num_local))
             bt = INDEX_BLOCK_TOKENS if self.gpu else 16
             ep2 = max(16, triton.next_power_of_2(num_local))
             warps = 8 if ep2 >= 256 else 4
+            if on_host:
+                self.tiles = table
+            else:
+                self.tiles = torch.empty(max(1, num_tiles), k.TILE_FIELDS, dtype=torch.int32,
+                                         device=device)
+                if num_tiles:
+                    segs = len(seg)
+                    _prepare((triton.cdiv(num_tiles, TILE_LIST_BLOCK),), table, self.tiles,
+                             segs, 0, num_tiles, 1, 1, lay.col_blocks, max(1, segs.bit_length()),
+                             triton.cdiv(num_tiles, TILE_LIST_BLOCK),
+                             meta.routing_map.view(torch.uint8), self.tiles, 0, num_local,
+                             BM=self.tile.bm, BN=self.tile.bn, WAVES=False,
+                             BLOCK=TILE_LIST_BLOCK, EP2=ep2, BT=bt, num_warps=warps)
             cols = slice(meta.ep_rank * num_local, (meta.ep_rank + 1) * num_local)
             # Every destination's rows here, one tensor (destinations in group-rank order).
             self.rowy = torch.empty(max(1, sum(self.tokens)), self.k, dtype=torch.int32,
@@ -188,7 +209,7 @@ class PreReducedCall(_Call):
                 rmap = m[:, cols].contiguous().view(torch.uint8)
                 nb = -(-t_d // bt)
                 counts = torch.empty(nb, num_local, dtype=torch.int32, device=device)
-                _prepare((nb,), self.tiles, self.tiles, 0, 0, 0, 1, 1, 1, 1, 0, rmap,
+                _prepare((nb,), counts, counts, 0, 0, 0, 1, 1, 1, 1, 0, rmap,
                          counts, t_d, num_local, BM=self.tile.bm, BN=self.tile.bn,
                          WAVES=False, BLOCK=TILE_LIST_BLOCK, EP2=ep2, BT=bt, num_warps=warps)
                 _index((nb,), rmap, counts, bases[d], rowy, t_d, num_local, TP=1, K=self.k,

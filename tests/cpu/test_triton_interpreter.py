@@ -114,6 +114,23 @@ def _tile_list_mismatch():
             if not torch.equal(lists["device"], lists["host"]):
                 problems.append(f"tp{tp} ep{ep} {routing} grid {grid} k {comm} static "
                                 f"{static}: {lists['device'].shape} vs {lists['host'].shape}")
+        # The pre-reduced call's list (every tile local, in h's row order) the same way.
+        from megatron_overlap.ops.triton_prereduce import PreReducedCall
+
+        maps = [rank_operands(case, g)[2].routing_map for g in range(tp * ep)]
+        lists = {}
+        for source in ("device", "host"):
+            os.environ[TILE_LIST_ENV] = source
+            ws = local_workspaces(tp * ep, hidden=48, dtype=case.dtype, device="cpu",
+                                  capacity_rows=4096)
+            h, w2, meta = rank_operands(case, 0)
+            call = PreReducedCall(meta, ws[0], Plan(num_comm_ctas=1, num_ctas=3, source="t"),
+                                  hidden=48, dtype=h.dtype, device=h.device, timeout_s=1.0,
+                                  tile=INTERPRETER_TILE, routing_maps=maps)
+            lists[source] = call.tiles[: call.num_local].clone()
+        os.environ.pop(TILE_LIST_ENV)
+        if not torch.equal(lists["device"], lists["host"]):
+            problems.append(f"pre-reduced tp{tp} ep{ep} {routing}: tile lists differ")
     return "; ".join(problems) or None
 
 
