@@ -229,7 +229,7 @@ class PreReducedCall(_Call):
 
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
                 recv_ptrs: Optional[torch.Tensor] = None) -> None:
-        """The GEMM into y, then one pre-reduced send per destination (remote first)."""
+        """The GEMM into y, then the pre-reduced send to every destination (one launch)."""
         ws, h, w2, t = self.ws, self.h, self.w2, self.tile
         num_ranks = ws.num_ranks
         self.y = torch.empty(max(1, self.num_rows), self.hidden, dtype=self.dtype,
