@@ -4,7 +4,9 @@ names the value and what was expected, and becomes a one-line usage error, exit 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from typing import Iterator, Tuple
 
 
 def _integer(text: str, minimum: int) -> int:
@@ -135,3 +137,20 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
     check_environment()
     if out and os.path.isdir(out):
         raise ValueError(f"{flag} {out!r} is a directory: give a file path")
+
+
+def json_rows(path: str) -> Iterator[Tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line of a .jsonl file.
+
+    Raises:
+        ValueError: a line is not JSON ("PATH:LINE: not JSON (...)").
+        OSError: the file cannot be read.
+    """
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not JSON ({err})") from None

@@ -64,6 +64,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from megatron_overlap.bench.cli import json_rows
+
 SCHEMAS = {"megatron_overlap.layer/1": "layer", "megatron_overlap.prefill/1": "prefill"}
 FINE_GRAINED = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "deepseek-v2-lite")
 """The target group of the issue: many small experts (more communication per FLOP)."""
@@ -101,13 +103,7 @@ def load_rows(paths: Iterable[str]) -> tuple[list[dict], dict]:
         if not file.is_file():
             raise ValueError(f"{path}: no such file")
         files += 1
-        for number, line in enumerate(file.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not JSON ({err})") from err
+        for _, row in json_rows(path):
             if isinstance(row, dict) and row.get("schema") in SCHEMAS:
                 row.setdefault("benchmark", SCHEMAS[row["schema"]])
                 rows.append(row)

@@ -16,8 +16,9 @@ p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps, git_sha, timestamp
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Dict, List, Tuple
+
+from megatron_overlap.bench.cli import json_rows
 
 PROVIDERS = ("gemm", "megatron", "prereduced", "ours", "ours_nocomm", "bound")
 
@@ -34,20 +35,13 @@ def load_rows(path: str) -> List[dict]:
             or prefill rows, which `megatron_overlap.bench.make_report` reads).
     """
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not a JSON row ({err})") from None
-            missing = [k for k in OP_FIELDS if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{n}: not an operator row (bench_op.py): no "
-                                 f"{missing}; layer / prefill rows go to "
-                                 "python -m megatron_overlap.bench.make_report")
-            rows.append(row)
+    for n, row in json_rows(path):
+        missing = [k for k in OP_FIELDS if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ValueError(f"{path}:{n}: not an operator row (bench_op.py): no "
+                             f"{missing}; layer / prefill rows go to "
+                             "python -m megatron_overlap.bench.make_report")
+        rows.append(row)
     return rows
 
 
