@@ -106,6 +106,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.num_plans = 0  # resource-manager calls so far (one per forward)
         self.last_combine = None  # what ran the last combine: "reference", "direct", "prereduced"
         self._keep_counts = False  # preprocess keeps Megatron's gathered counts (Triton path)
+        self._triton = False  # this forward's combine runs the Triton kernels
         self._megatron_counts = None
         self._slot_columns = None
         self._num_sms = None
@@ -153,7 +154,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """Megatron's `dispatch_preprocess`, then every rank's routing counts (Megatron's
         own on the Triton path, see `preprocess`), and this rank's slots where the reference
         path will read them."""
-        triton = self._triton_will_run(hidden_states)
+        triton = self._triton = self._triton_will_run(hidden_states)
         self._keep_counts = triton and self.tp_size * self.ep_size > 1
         try:
             out = super().dispatch_preprocess(hidden_states, routing_map, probs)
@@ -294,7 +295,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         maps = None
-        if self.options.prereduce and h_like.is_cuda and self._triton_will_run(h_like):
+        if self.options.prereduce and self._triton:  # decided in dispatch_preprocess
             # The pre-reduced mode needs every rank's routing map; the token counts follow
             # from the exchanged counts, so the gather needs no host sync.
             with span("mo.routing_maps"):

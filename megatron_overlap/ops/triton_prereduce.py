@@ -50,11 +50,8 @@ from megatron_overlap.ops.triton_gemm2_gatherrs import (
     DirectLayout,
     TileConfig,
     _Call,
-    _ensure_allocator,
-    _gemm_scatter,
     _index,
     _prepare,
-    _record_resources,
     destination_order,
     direct_layout,
     expand_tiles,
@@ -221,7 +218,9 @@ class PreReducedCall(_Call):
             slots = src[None, :] * t_me + torch.arange(t_me, device=device)[:, None]
             self.index = torch.where(has[:, src // tp], slots,
                                      torch.full_like(slots, -1)).to(torch.int32)
-        self.counters = None
+        # Claim counters of the dynamic schedule (as `_Call`); the static one reads none.
+        self.counters = (None if self.tile.static
+                         else torch.empty(2, dtype=torch.int32, device=device))
         self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
         self.h = self.w2 = self.y = None
         self.sent = False
@@ -229,25 +228,16 @@ class PreReducedCall(_Call):
 
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
                 recv_ptrs: Optional[torch.Tensor] = None) -> None:
-        """The GEMM into y, then the pre-reduced send to every destination (one launch)."""
-        ws, h, w2, t = self.ws, self.h, self.w2, self.tile
+        """The GEMM into y (`_Call._launch` with every tile local and y as the only
+        destination), then the pre-reduced send to every destination (one launch)."""
+        ws = self.ws
         num_ranks = ws.num_ranks
         self.y = torch.empty(max(1, self.num_rows), self.hidden, dtype=self.dtype,
                              device=self.device)
-        if self.gpu:
-            _ensure_allocator()
         if num_local:
             y_ptrs = torch.full((num_ranks,), self.y.data_ptr(), dtype=torch.int64,
                                 device=self.device)
-            handle = _gemm_scatter(
-                (grid,), h, w2, tiles, 0, num_local, tiles, y_ptrs, ws.peer_signal_ptrs,
-                ws.signals, self.rank, num_ranks, 0, self.freed_target, self.timeout,
-                ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0],
-                h.stride(0), w2.stride(0), w2.stride(1), BM=t.bm, BN=t.bn, BK=t.bk,
-                USE_TMA=self.use_tma, STATIC=True, USE_TIMER=self.gpu,
-                num_warps=t.num_warps, num_stages=t.num_stages)
-            if self.gpu:
-                _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
+            super()._launch(tiles, grid, 0, num_local, recv_ptrs=y_ptrs)
         bt, bh = REDUCE_SEND_BLOCK if self.gpu else (8, 16)
         if self.send_ctas:  # every destination in one launch (send order: remote first)
             _reduce_send(
