@@ -59,7 +59,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,7 @@ from prefill import (
 )
 
 from megatron_overlap.bench.cli import check_launch_inputs, parse_layout
+from megatron_overlap.config import prereduce_arg
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
@@ -153,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "from it; 'off-te' is skipped where Transformer Engine is missing)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="moe_gatherrs_backend of the flag-on layer (default auto)")
-    parser.add_argument("--prereduce", action="store_true",
-                        help="moe_gatherrs_prereduce of the flag-on layer (the pre-reduced "
-                             "mode; Triton backend)")
+    parser.add_argument("--prereduce", type=prereduce_arg, default="auto",
+                        metavar="{auto,on,off}",
+                        help="moe_gatherrs_prereduce of the flag-on layer: auto (default: "
+                             "the resource manager picks direct or pre-reduced per call), on "
+                             "(pre-reduced; Triton backend) or off (direct)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="params and compute dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,
@@ -199,7 +202,7 @@ class RunConfig:
     world_size: int
     profile: bool = False
     trace_dir: str = ""
-    prereduce: bool = False
+    prereduce: Union[bool, str] = "auto"
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -209,9 +212,9 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         ValueError: naming the bad option: a layout whose TP * EP does not divide the world
             size, `--device cuda` without CUDA, `--device cpu` with CUDA visible.
     """
-    if args.prereduce and args.backend == "reference":
-        raise ValueError("--prereduce needs the Triton backend (--backend triton or auto), "
-                         "got --backend reference")
+    if args.prereduce is True and args.backend == "reference":
+        raise ValueError("--prereduce on needs the Triton backend (--backend triton or "
+                         "auto), got --backend reference")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -346,7 +349,7 @@ def build_config(shape: Any, run: RunConfig, tp: int, ep: int, *, flag: bool, in
         moe_router_dtype="fp32",
         moe_gatherrs_overlap=flag,
         moe_gatherrs_backend=run.backend,
-        moe_gatherrs_prereduce=run.prereduce and flag,
+        moe_gatherrs_prereduce=run.prereduce if flag else False,
     )
 
 
@@ -484,6 +487,8 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
         "ms": {name: reduce_max(timers[name].times_ms(), device) for name in names},
         "errors": errors,
         "fused_calls": calls,
+        # "direct" / "prereduced" / "reference": what the flag-on layer's last combine ran
+        "combine_mode": layers["on"].token_dispatcher.last_combine,
         "param_bytes": rank_max({n: param_bytes(layers[n]) for n in names}),
         "fwd_extra_bytes": rank_max({n: timers[n].fwd_extra_bytes if cuda else None
                                      for n in names}),
@@ -601,6 +606,7 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "moe_gatherrs_overlap": name == "on",
             "backend": info["backend"] if name == "on" else "megatron-alltoall",
             "fused_calls": result["fused_calls"] if name == "on" else 0,
+            "combine_mode": result["combine_mode"] if name == "on" else None,
             "ms_p20": percentile(times, 20),
             "ms_p50": p50[name],
             "ms_p80": percentile(times, 80),

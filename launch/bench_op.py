@@ -11,15 +11,22 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
   prereduced    (b) non-overlapped, pre-reduced: grouped GEMM, local top-k gather, the
                 collective on the reduced rows, finalize (`reference.gatherrs_reference`)
   ours_nocomm   (d) our fused kernel with its GEMM2 tiles only (communication off)
-  ours          the fused Triton op, host work included (tables, copies, launches)
+  ours          the fused Triton op as `gemm2_gatherrs` runs it (the plan's mode), host work
+                included (tables, copies, launches; routing-map gather if pre-reduced)
   ours_prepared the op as the Megatron layer runs it: host work done beforehand (it
                 overlaps FC1 there), launches + GPU work timed
+                (direct mode, the plan's grid and communication CTAs)
   ours_prereduced  the same for the pre-reduced mode (`GatherRSOptions.prereduce`), its
                 runs interleaved with ours_prepared's; row field max_rel_err_prereduced_mode
+  ours_auto     whichever of the two the resource manager picks (GatherRSOptions' default
+                prereduce="auto"; row field auto_mode): the same runs, not timed again
   ours_host     (breakdown) host time to enqueue one call (tables, copies, launches)
   ours_finalize (breakdown) the finalize kernel alone (arrivals already in)
   bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
-Ratios printed: (a)/ours, (b)/ours, ours/bound, gemm/ours_nocomm (producer efficiency).
+Every provider but "ours" is timed with --queue-ms of GPU sleep before its start event, so
+its time is GPU work (the host's enqueue hidden, as in a model whose host runs ahead).
+Ratios printed: (a)/ours, (b)/ours, ours/bound, gemm/ours_nocomm (producer efficiency),
+and the same over ours_auto.
 Every rank runs the same workload list; rank 0 prints and writes. Routing: "uniform" (default)
 or "skewed" (see megatron_overlap.bench.workloads), fixed seed.
 """
@@ -46,6 +53,7 @@ from megatron_overlap.bench.cli import (
     init_cuda_group,
     layout_label,
     layout_sizes,
+    non_negative_float,
     positive_float,
     positive_int,
 )
@@ -75,14 +83,41 @@ def grouped_gemm(h, w2, rows_per_expert, offs):
     return torch.cat([h_l @ w2[l].t() for l, h_l in enumerate(torch.split(h, rows_per_expert))])
 
 
-def timed(fn, warmup: int, iters: int):
-    """p20/p50/p80 milliseconds of fn() on the GPU, ranks lined up before every run."""
+_SLEEP_CYCLES_PER_MS = {}
+
+
+def _queue_gpu(queue_ms: float) -> None:
+    """Keep the GPU busy for ~queue_ms (`torch.cuda._sleep`) so that the host's enqueue of
+    the timed work hides behind it: the events then time GPU work only, as in a model whose
+    host runs ahead of the GPU. Cycles per ms measured once per device."""
+    if queue_ms <= 0:
+        return
+    dev = torch.cuda.current_device()
+    if dev not in _SLEEP_CYCLES_PER_MS:
+        cycles = 1_000_000
+        torch.cuda._sleep(cycles)  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS[dev] = cycles / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(int(queue_ms * _SLEEP_CYCLES_PER_MS[dev]))
+
+
+def timed(fn, warmup: int, iters: int, queue_ms: float = 0.0):
+    """p20/p50/p80 milliseconds of fn() on the GPU, ranks lined up before every run.
+
+    queue_ms > 0: the GPU sleeps that long before the start event (`_queue_gpu`), so the
+    time is fn's GPU work without the host's enqueue (its launches); 0: the host's enqueue
+    counts where the GPU waits for it (a short op timed alone)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
+        _queue_gpu(queue_ms)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -112,6 +147,7 @@ def timed_prepared_interleaved(prepares, h, w2, args):
             pending = prepares[i]()
             torch.cuda.synchronize()
             dist.barrier()
+            _queue_gpu(getattr(args, "queue_ms", 0.0))
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -194,12 +230,13 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
     with torch.no_grad():
         y = grouped_gemm(h, w2, rows_per_expert, offs)
         results["gemm"] = timed(lambda: grouped_gemm(h, w2, rows_per_expert, offs),
-                                args.warmup, args.iters)
+                                args.warmup, args.iters, args.queue_ms)
         results["megatron"] = timed(lambda: megatron_combine(
             grouped_gemm(h, w2, rows_per_expert, offs), extra, tp, ep, hidden,
-            tokens, group), args.warmup, args.iters)
+            tokens, group), args.warmup, args.iters, args.queue_ms)
         results["prereduced"] = timed(lambda: gatherrs_reference(
-            grouped_gemm(h, w2, rows_per_expert, offs), meta, group), args.warmup, args.iters)
+            grouped_gemm(h, w2, rows_per_expert, offs), meta, group), args.warmup, args.iters,
+            args.queue_ms)
         out = gemm2_gatherrs(h, w2, meta, group=group, options=opts)  # compiles, warms up
         ref = gatherrs_reference(y, meta, group)
         err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
@@ -210,7 +247,15 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         from megatron_overlap.symm import get_workspace
 
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms)
+        from megatron_overlap.ops.triton_gemm2_gatherrs import compiled_resources
+
+        # The plan as the op makes it (k from the model; mode: GatherRSOptions' default "auto").
+        # The timed direct / pre-reduced calls below use its grid and k; auto_mode records
+        # which of the two the resource manager would run.
+        plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms, hidden=hidden, ffn=ffn,
+                                   elem_bytes=h.element_size(),
+                                   recv_rows=int(maps[rank].sum()) * tp,
+                                   kernel=compiled_resources(h.dtype, ffn, hidden))
         ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
 
         def prepare(tile=None, call_plan=plan):
@@ -233,7 +278,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         results["ours_host"] = {"p20": min(host_ms), "p50": statistics.median(host_ms),
                                 "p80": max(host_ms)}
         # The last call's arrivals are all in: finalize again = its summing alone.
-        results["ours_finalize"] = timed(call.finalize, args.warmup, args.iters)
+        results["ours_finalize"] = timed(call.finalize, args.warmup, args.iters, args.queue_ms)
         # The call as the Megatron layer runs it: prepared (host work) while FC1 runs, so the
         # timed part is the launches and the GPU work.
         # The pre-reduced mode (GatherRSOptions.prereduce) side by side with the direct
@@ -251,7 +296,10 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                                / ref.float().abs().max())
         results["ours_prepared"], results["ours_prereduced"] = timed_prepared_interleaved(
             [prepare, prepare_prereduced], h, w2, args)
-        results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters)
+        # The op as the Megatron layer runs it: the mode the resource manager picks.
+        results["ours_auto"] = results["ours_prereduced" if plan.mode == "prereduce"
+                                       else "ours_prepared"]
+        results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters, args.queue_ms)
         variant_errs = {}
         for name in args.variants:  # other tile configurations / schedules, same inputs
             tile, per_sm = parse_tile(name)
@@ -261,7 +309,8 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                                        / ref.float().abs().max())
             results[f"ours[{name}]"] = timed_prepared(lambda: prepare(tile, v_plan), h, w2,
                                                       args)
-            results[f"nocomm[{name}]"] = timed(call.gemm_only, args.warmup, args.iters)
+            results[f"nocomm[{name}]"] = timed(call.gemm_only, args.warmup, args.iters,
+                                               args.queue_ms)
         for kc in args.comm_ctas:  # the SM partition forced
             forced = dataclasses.replace(plan, num_comm_ctas=kc, source="forced")
             results[f"ours[k={kc}]"] = timed_prepared(lambda: prepare(call_plan=forced), h,
@@ -275,9 +324,11 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
     flops = 2.0 * n * ffn * hidden
     common = dict(model=model, tokens_per_rank=tokens, layout=layout_label(tp, ep),
                   routing=args.routing, hidden=hidden, ffn_per_rank=ffn, local_experts=num_local,
-                  topk=topk, rows=n, remote_bytes=remote_bytes, max_rel_err_vs_prereduced=err,
+                  topk=topk, rows=n, remote_bytes=remote_bytes, queue_ms=args.queue_ms,
+                  max_rel_err_vs_prereduced=err,
                   max_rel_err_variants=variant_errs,
-                  max_rel_err_prereduced_mode=err_prereduced,
+                  max_rel_err_prereduced_mode=err_prereduced, auto_mode=plan.mode,
+                  num_comm_ctas=plan.num_comm_ctas,
                   gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
     # every rank's p50 -> the slowest rank is the op's time
     rows_out = []
@@ -328,6 +379,10 @@ def main() -> int:
     parser.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
                         help="routing distribution (megatron_overlap.bench.workloads)")
     add_timing_args(parser, warmup=5, iters=20, per="per provider")
+    parser.add_argument("--queue-ms", type=non_negative_float, default=1.0,
+                        help="GPU sleep before each timed run (every provider but 'ours'), so "
+                             "the events time GPU work without the host's enqueue; 0: the "
+                             "host's launches count where the GPU waits for them")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="extra tile configurations to time (prepared), e.g. "
                              "128x256x64w8s3 128x128x64w8s3dyn (rows ours[...] / nocomm[...])")

@@ -51,6 +51,9 @@ from megatron_overlap.bench.cli import (  # noqa: E402
 )
 from megatron_overlap.bench.workloads import rank_rows, routing_maps  # noqa: E402
 from megatron_overlap.config import GatherRSOptions  # noqa: E402
+
+DIRECT = GatherRSOptions(backend="triton", prereduce=False)
+"""The oracle studies the direct mode's communication CTAs, so the mode is fixed."""
 from megatron_overlap.models import load_model_shape  # noqa: E402
 from megatron_overlap.resource import plan_gemm2_gatherrs  # noqa: E402
 
@@ -70,7 +73,7 @@ def workload_metas(workload, world: int, seed: int, ranks=None):
 def plan_for(meta, shape, tp, maps, rank, num_sms, options=None, profile=None):
     """The resource manager's plan of one rank (what the dispatcher would pass)."""
     return plan_gemm2_gatherrs(
-        meta, options or GatherRSOptions(backend="triton"), num_sms=num_sms,
+        meta, options or DIRECT, num_sms=num_sms,
         hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size // tp, elem_bytes=2,
         recv_rows=int(maps[rank].sum()) * tp, profile=profile)
 
@@ -88,7 +91,8 @@ def dry_run(args) -> int:
                  for g, m in metas.items()]
         grid = oracle.k_grid(plans[0].num_ctas, max(1, args.k_step))
         for k in grid:
-            opts = GatherRSOptions(backend="triton", num_comm_ctas=min(k, num_sms))
+            opts = GatherRSOptions(backend="triton", num_comm_ctas=min(k, num_sms),
+                                   prereduce=False)
             pred = max(plan_for(m, shape, tp, maps, g, num_sms, opts, profile).predicted_us
                        for g, m in metas.items())
             rows.append(_row(w, "grid", k, None, pred / 1e3))
@@ -181,12 +185,11 @@ def gpu_run(args) -> int:
         def prep(options=None, plan_=None, h=h, w2=w2, meta=meta):
             return prepare_gemm2_gatherrs(
                 h, w2, meta, group=group,
-                options=options or GatherRSOptions(backend="triton"), plan=plan_)
+                options=options or DIRECT, plan=plan_)
 
         def run(options=None, plan_=None, h=h, w2=w2, meta=meta):
             return gemm2_gatherrs(h, w2, meta, group=group,
-                                  options=options or GatherRSOptions(backend="triton"),
-                                  plan=plan_)
+                                  options=options or DIRECT, plan=plan_)
 
         with torch.no_grad():
             run(plan_=plan)  # compile + warm up
@@ -200,7 +203,8 @@ def gpu_run(args) -> int:
             grid = oracle.k_grid(plan.num_ctas, step)
             # Prepared calls, as the layer runs them (host work overlaps FC1 there); every k
             # and the plan measured interleaved, round by round (noise hits all alike).
-            options = [GatherRSOptions(backend="triton", num_comm_ctas=min(k, num_sms))
+            options = [GatherRSOptions(backend="triton", num_comm_ctas=min(k, num_sms),
+                                   prereduce=False)
                        for k in grid]
             prepares = [lambda o=o: prep(options=o) for o in options]
             times = bench_op.timed_prepared_interleaved(

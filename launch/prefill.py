@@ -55,7 +55,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,7 @@ from megatron_overlap.bench.measure import (  # after the sys.path line
     reduce_max,
     symm_workspace_bytes,
 )
+from megatron_overlap.config import prereduce_arg  # noqa: E402
 
 SCHEMA = "megatron_overlap.prefill/1"
 """`schema` field of every JSON row; bump when a field changes meaning."""
@@ -241,9 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prereduce",
-        action="store_true",
-        help="moe_gatherrs_prereduce of the flag-on model (the pre-reduced mode; Triton "
-             "backend)",
+        type=prereduce_arg,
+        default="auto",
+        metavar="{auto,on,off}",
+        help="moe_gatherrs_prereduce of the flag-on model: auto (default: the resource "
+             "manager picks direct or pre-reduced per call), on (pre-reduced; Triton "
+             "backend) or off (direct)",
     )
     parser.add_argument(
         "--dtype",
@@ -325,7 +329,7 @@ class RunConfig:
     device: str
     seed: int
     world_size: int
-    prereduce: bool = False
+    prereduce: Union[bool, str] = "auto"
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -336,9 +340,9 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
             `--device cuda` without CUDA, `--device cpu` with CUDA visible (the CPU patches
             refuse that), sequence parallel with TP = 1.
     """
-    if args.prereduce and args.backend == "reference":
-        raise ValueError("--prereduce needs the Triton backend (--backend triton or auto), "
-                         "got --backend reference")
+    if args.prereduce is True and args.backend == "reference":
+        raise ValueError("--prereduce on needs the Triton backend (--backend triton or "
+                         "auto), got --backend reference")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -564,7 +568,7 @@ def build_config(shape: Any, run: RunConfig, *, flag: bool, dtype: str, initiali
         attention_backend=AttnBackend.auto if HAVE_TE else AttnBackend.local,
         moe_gatherrs_overlap=flag,
         moe_gatherrs_backend=run.backend,
-        moe_gatherrs_prereduce=run.prereduce and flag,
+        moe_gatherrs_prereduce=run.prereduce if flag else False,
     )
 
 
@@ -781,6 +785,18 @@ def fused_forward_count(model: torch.nn.Module) -> int:
         for m in model.modules()
         if isinstance(m, GatherRSMoELayer) and m.gatherrs
     )
+
+
+def combine_modes(model: torch.nn.Module) -> list:
+    """What the last combine of each flag-on MoE layer ran ("direct", "prereduced",
+    "reference"), sorted, without repeats."""
+    from megatron_overlap.megatron import GatherRSMoELayer
+
+    return sorted({
+        m.token_dispatcher.last_combine
+        for m in model.modules()
+        if isinstance(m, GatherRSMoELayer) and m.gatherrs and m.token_dispatcher.last_combine
+    })
 
 
 class UsageError(ValueError):
@@ -1004,7 +1020,8 @@ def time_seq(
         bytes (`megatron_overlap.bench.measure`; None on CPU): "peak_bytes" (absolute),
         "fwd_extra_bytes", "persistent_bytes" (allocated across the variant's first warm-up
         forward of this sequence length; None without warm-up), "symm_workspace_bytes"
-        (flag on only); "fused_calls": fused-op launches during the timed forwards}.
+        (flag on only); "fused_calls": fused-op launches during the timed forwards,
+        "combine_modes": `combine_modes` of the flag-on model}.
 
     Raises:
         RuntimeError: the flag-on model did not launch the fused op once per fused MoE layer
@@ -1050,6 +1067,7 @@ def time_seq(
         "persistent_bytes": rank_max(persistent),
         "symm_workspace_bytes": rank_max({n: (symm if n == "on" else 0) for n in models}),
         "fused_calls": fused_calls,
+        "combine_modes": combine_modes(models["on"]),
     }
 
 
@@ -1134,6 +1152,7 @@ def make_rows(
                 "moe_gatherrs_overlap": on,
                 "backend": info["backend"] if on else "megatron-alltoall",
                 "fused_calls": timing["fused_calls"] if on else 0,
+                "combine_modes": timing["combine_modes"] if on else [],
                 "ms_p20": percentile(ms, 20),
                 "ms_p50": p50[name],
                 "ms_p80": percentile(ms, 80),

@@ -52,10 +52,12 @@ def main() -> int:
     w2 = torch.randn(meta.num_local_experts, shape.hidden_size, shape.moe_ffn_hidden_size,
                      device=device).to(torch.bfloat16)
     group = dist.group.WORLD if world > 1 else None
-    opts = GatherRSOptions(backend="triton")
+    opts = GatherRSOptions(backend="triton", prereduce=False)  # _Call below: direct mode
     plan = plan_gemm2_gatherrs(meta, opts,
                                num_sms=torch.cuda.get_device_properties(device)
-                               .multi_processor_count)
+                               .multi_processor_count,
+                               hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
+                               recv_rows=int(maps[rank].sum()))
     ws = get_workspace(group, hidden=shape.hidden_size, dtype=h.dtype, device=device)
 
     stages = {"prepare": [], "(unused)": [], "gemm launch": [], "finalize launch": [],

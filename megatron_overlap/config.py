@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 BACKENDS = ("auto", "triton", "reference")
 """Values accepted for `GatherRSOptions.backend`."""
@@ -88,26 +89,31 @@ class GatherRSOptions:
     seen and the value expected (a finalize waiting for a sender's arrivals, or a producer
     waiting for a destination to free its receive buffer)."""
 
-    prereduce: bool = False
-    """Triton backend only (an error with backend "reference"; with "auto" where the Triton
-    path cannot run, the fallback warning says it is dropped), opt-in, not yet measured on
-    a GPU: sum each token's rows on the
-    rank that computed them before they travel (one row per token and source rank over
-    NVLink instead of one per (token, expert); the GEMM2 then stores locally and the send
-    is a pass of its own, `megatron_overlap.ops.triton_prereduce`). Needs every rank's
-    routing map: one all-gather per call (`ops.gemm2_gatherrs.gather_routing_maps`; plus a
-    host sync for the token counts where the caller does not pass them, as the op-level
-    `gemm2_gatherrs` does not; the Megatron dispatcher does)."""
+    prereduce: Union[bool, str] = "auto"
+    """The combine mode. False: direct (each GEMM2 tile's rows travel as they are computed,
+    overlapped with the GEMM2). True: pre-reduced (Triton backend only: an error with
+    backend "reference"; with "auto" where the Triton path cannot run the fallback warning
+    says it is dropped): each token's rows are summed on the rank that computed them
+    before they travel, one row per token and source rank over NVLink instead of one per
+    (token, expert); the GEMM2 then stores locally and the send is a pass of its own
+    (`megatron_overlap.ops.triton_prereduce`). "auto" (default): the resource manager picks
+    one per call from the group's routing counts (`resource.mode.choose_mode`; every rank
+    picks alike). The pre-reduced mode needs every rank's routing map: one all-gather per
+    call (`ops.gemm2_gatherrs.gather_routing_maps`; plus a host sync for the token counts
+    where the caller does not pass them, as the op-level `gemm2_gatherrs` does not; the
+    Megatron dispatcher does)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prereduce, bool):
-            raise TypeError(f"moe_gatherrs_prereduce={self.prereduce!r} must be a bool")
+        if not (isinstance(self.prereduce, bool)
+                or (isinstance(self.prereduce, str) and self.prereduce == "auto")):
+            raise TypeError(f"moe_gatherrs_prereduce={self.prereduce!r} must be True, False "
+                            "or 'auto'")
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(
                 f"moe_gatherrs_backend={self.backend!r} is not supported; expected one of "
                 f"{BACKENDS}"
             )
-        if self.prereduce and self.backend == "reference":
+        if self.prereduce is True and self.backend == "reference":
             raise ValueError("moe_gatherrs_prereduce=True needs the Triton backend "
                              "(moe_gatherrs_backend 'triton' or 'auto'), got 'reference'")
         if self.num_comm_ctas is not None:
@@ -131,3 +137,15 @@ class GatherRSOptions:
                 f"[{low:g}, {high:g}]"
             )
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
+
+
+PREREDUCE_CHOICES = {"auto": "auto", "on": True, "off": False}
+"""Command-line spellings of `moe_gatherrs_prereduce` and their config values."""
+
+
+def prereduce_arg(text: str) -> Union[bool, str]:
+    """argparse type of `--moe-gatherrs-prereduce` / `--prereduce`: auto, on or off."""
+    if text not in PREREDUCE_CHOICES:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of "
+                                         f"{', '.join(PREREDUCE_CHOICES)}")
+    return PREREDUCE_CHOICES[text]

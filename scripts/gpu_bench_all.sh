@@ -28,9 +28,10 @@
 # MO_WITH_OP=1 adds the operator grid (launch/bench_op.py, 4 models x 4096 / 16384 tokens x
 # ep / tp; bench_op.jsonl + bench_op.png: 8 files in all) after the layer grid, with 20 % of
 # what is left of the budget (added in v4.2; its bench_op command ran, this wrapper not yet).
-# MO_PREREDUCE=1 runs the flag-on variant of the layer grid and the prefill in the
-# pre-reduced mode (`--prereduce`; rows carry "prereduce": true: give make_report those
-# rows apart from the direct-mode rows, it does not tell the two apart).
+# MO_PREREDUCE=auto|on|off sets the combine mode of the flag-on variant of the layer grid
+# and the prefill (`--prereduce`; default: the launchers' default, auto: the resource
+# manager picks per call). Rows carry "prereduce" (true / false / "auto"); give
+# make_report rows of one setting at a time, it does not tell them apart.
 # Knobs (environment): MO_BUDGET_S (default 480: seconds for phases 1-3), MO_MODELS
 # (space-separated), MO_SEQS, MO_LAYER_ITERS (20), MO_PREFILL_ITERS (10), MO_MOE_LAYERS (2),
 # MO_NPROC (2: GPUs used), MO_LAYOUTS (default "ep<N> tp<N>"; tpXepY names with
@@ -58,7 +59,7 @@ export TQDM_DISABLE=1 MO_STACK_DUMP_S=${MO_STACK_DUMP_S:-150}
 start=$(date +%s)
 status=0
 extra=()
-[[ ${MO_PREREDUCE:-0} == 1 ]] && extra=(--prereduce)
+[[ -n ${MO_PREREDUCE:-} ]] && extra=(--prereduce "$MO_PREREDUCE")
 
 left() { echo $(( budget - ($(date +%s) - start) )); }
 

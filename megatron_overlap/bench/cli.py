@@ -29,6 +29,17 @@ def non_negative_int(text: str) -> int:
     return _integer(text, 0)
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number >= 0") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     try:

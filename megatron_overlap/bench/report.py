@@ -6,11 +6,15 @@ Row schema (one JSON object per line, one row per (workload, provider)): model,
 tokens_per_rank, layout ("ep2", "tp2", ...), routing, hidden, ffn_per_rank, local_experts,
 topk, rows, remote_bytes, provider ("gemm", "megatron", "prereduced", "ours", "ours_nocomm",
 "bound"; "ours_prepared": the op with its host work done beforehand, as the Megatron layer
-runs it; "ours_prereduced": the same in the pre-reduced mode (`GatherRSOptions.prereduce`;
-its error vs the reference in max_rel_err_prereduced_mode); breakdown rows "ours_host",
+runs it, direct mode; "ours_prereduced": the same in the pre-reduced mode
+(`GatherRSOptions.prereduce`; its error vs the reference in max_rel_err_prereduced_mode);
+"ours_auto": whichever of the two the resource manager picks (field auto_mode: "direct" or
+"prereduce"; the same runs, not timed again); breakdown rows "ours_host",
 "ours_finalize" where present; exploration rows
 "ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts), p20_ms / p50_ms /
-p80_ms (the slowest rank's), gpu, world, peer_bandwidth_gbps, git_sha, timestamp, torch.
+p80_ms (the slowest rank's), queue_ms (GPU sleep before each timed run, hiding the host's
+enqueue: every provider but "ours"; absent = 0), gpu, world, peer_bandwidth_gbps, git_sha,
+timestamp, torch.
 """
 
 from __future__ import annotations
@@ -64,14 +68,20 @@ def _ratio(a, b) -> str:
 
 
 def table(rows: List[dict]) -> str:
-    """Markdown table: p50 times and the ratios the targets are stated in."""
+    """Markdown table: p50 times and the ratios the targets are stated in. "auto" is the op
+    as the Megatron layer runs it (prepared, the resource manager's mode); rows from before
+    the mode choice have no "ours_auto": their direct prepared time stands in."""
     lines = ["| model | tokens/rank | layout | gemm ms | (a) megatron ms | (b) prereduced ms | "
              "ours ms | ours no-comm ms | bound ms | (a)/ours | (b)/ours | ours/bound | "
-             "gemm/no-comm | host ms | finalize ms | ours prepared ms | (a)/prepared | "
-             "(b)/prepared | prepared/bound |", "|" + "---|" * 19]
+             "gemm/no-comm | host ms | finalize ms | direct prepared ms | pre-reduced ms | "
+             "auto | (a)/auto | (b)/auto | auto/bound |", "|" + "---|" * 21]
+    modes = {(r["model"], r["tokens_per_rank"], r["layout"]): r.get("auto_mode", "-")
+             for r in rows if r["provider"] == "ours_auto"}
     for (model, tokens, layout), g in by_workload(rows).items():
         if not all(p in g for p in PROVIDERS):
             continue
+        auto = g.get("ours_auto", g.get("ours_prepared"))
+        mode = modes.get((model, tokens, layout), "-")
         lines.append(
             f"| {model} | {tokens} | {layout} | {g['gemm']:.3f} | {g['megatron']:.3f} | "
             f"{g['prereduced']:.3f} | {g['ours']:.3f} | {g['ours_nocomm']:.3f} | "
@@ -79,9 +89,9 @@ def table(rows: List[dict]) -> str:
             f"{g['prereduced'] / g['ours']:.2f} | {g['ours'] / g['bound']:.2f} | "
             f"{g['gemm'] / g['ours_nocomm']:.2f} | {_fmt(g.get('ours_host'))} | "
             f"{_fmt(g.get('ours_finalize'))} | {_fmt(g.get('ours_prepared'))} | "
-            f"{_ratio(g['megatron'], g.get('ours_prepared'))} | "
-            f"{_ratio(g['prereduced'], g.get('ours_prepared'))} | "
-            f"{_ratio(g.get('ours_prepared'), g['bound'])} |")
+            f"{_fmt(g.get('ours_prereduced'))} | {mode} | "
+            f"{_ratio(g['megatron'], auto)} | {_ratio(g['prereduced'], auto)} | "
+            f"{_ratio(auto, g['bound'])} |")
     return "\n".join(lines)
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_overlap.config import BACKENDS, DEFAULT_TIMEOUT_S, GatherRSOptions
+from megatron_overlap.config import BACKENDS, DEFAULT_TIMEOUT_S, GatherRSOptions, prereduce_arg
 
 FLAG = "moe_gatherrs_overlap"
 
@@ -47,9 +47,10 @@ class GatherRSTransformerConfig(TransformerConfig):
     moe_gatherrs_timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on every GPU spin-wait of the fused kernels, in seconds (1e-6 to 1e6)."""
 
-    moe_gatherrs_prereduce: bool = False
-    """Pre-reduce each token's rows before they travel (`GatherRSOptions.prereduce`;
-    opt-in, not yet measured on a GPU)."""
+    moe_gatherrs_prereduce: Union[bool, str] = "auto"
+    """The combine mode (`GatherRSOptions.prereduce`): "auto" (the resource manager picks
+    direct or pre-reduced per call), True (pre-reduce each token's rows before they travel;
+    Triton backend only) or False (direct)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,7 +82,7 @@ def gatherrs_options(config: TransformerConfig) -> GatherRSOptions:
         backend=getattr(config, "moe_gatherrs_backend", "auto"),
         num_comm_ctas=getattr(config, "moe_gatherrs_num_comm_ctas", None),
         timeout_s=getattr(config, "moe_gatherrs_timeout_s", DEFAULT_TIMEOUT_S),
-        prereduce=getattr(config, "moe_gatherrs_prereduce", False),
+        prereduce=getattr(config, "moe_gatherrs_prereduce", "auto"),
     )
 
 
@@ -140,9 +141,11 @@ def add_gatherrs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Communication CTAs (default: chosen by the resource manager).")
     group.add_argument("--moe-gatherrs-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                        help="Bound on every GPU spin-wait, seconds.")
-    group.add_argument("--moe-gatherrs-prereduce", action="store_true",
-                       help="Sum each token's rows before they travel (Triton backend; "
-                            "opt-in, not yet measured on a GPU).")
+    group.add_argument("--moe-gatherrs-prereduce", type=prereduce_arg, default="auto",
+                       metavar="{auto,on,off}",
+                       help="Combine mode: auto (default: the resource manager picks direct "
+                            "or pre-reduced per call), on (sum each token's rows before they "
+                            "travel; Triton backend only) or off (direct).")
     return parser
 
 

@@ -295,7 +295,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         maps = None
-        if self.options.prereduce and self._triton:  # decided in dispatch_preprocess
+        # _triton: decided in dispatch_preprocess; plan.mode: from options.prereduce and the
+        # group-wide counts, so every rank gathers (or not) alike.
+        if self._triton and self.plan.mode == "prereduce":
             # The pre-reduced mode needs every rank's routing map; the token counts follow
             # from the exchanged counts, so the gather needs no host sync.
             with span("mo.routing_maps"):

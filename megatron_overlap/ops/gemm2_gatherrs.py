@@ -119,9 +119,9 @@ def prepare_gemm2_gatherrs(
         h_like: any tensor with h's dtype, device and autograd state (e.g. the dispatched
             tokens): it decides the backend as h would.
         w2, meta, group, options, plan: as `gemm2_gatherrs`.
-        routing_maps: with `options.prereduce`, every rank's [T_d, E] routing map in
-            group-rank order on h's device; all-gathered here when None (a collective and
-            a host sync). Ignored otherwise.
+        routing_maps: when the plan's mode is "prereduce", every rank's [T_d, E] routing
+            map in group-rank order on h's device; all-gathered here when None (a
+            collective and a host sync). Ignored otherwise.
 
     Returns:
         A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
@@ -137,7 +137,7 @@ def prepare_gemm2_gatherrs(
     if not isinstance(w2, torch.Tensor) or w2.dim() != 3:
         raise ValueError(f"w2 must be a [L, H, F] tensor, got "
                          f"{tuple(w2.shape) if isinstance(w2, torch.Tensor) else type(w2)}")
-    backend = resolve_backend(options.backend, h_like, w2, group, options.prereduce)
+    backend = resolve_backend(options.backend, h_like, w2, group, options.prereduce is True)
     if backend == "reference":
         return None
     from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, compiled_resources
@@ -151,7 +151,7 @@ def prepare_gemm2_gatherrs(
                                                              w2.shape[1]))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
-    if options.prereduce:
+    if plan.mode == "prereduce":  # the same on every rank (options, group-wide counts)
         from megatron_overlap.ops.triton_prereduce import PreReducedCall
 
         if routing_maps is None:
@@ -237,8 +237,9 @@ def gemm2_gatherrs(
         w2: [L, H, F] FC2 weights of the local experts (`linear_fc2.weight` layout).
         meta: routing metadata (`metadata.build_metadata`).
         group: the tp_ep process group (R = TP * EP ranks); None when R == 1.
-        options: backend, communication CTAs, timeout, pre-reduced mode (Triton only: a
-            call then all-gathers the routing maps over `group` unless prepared).
+        options: backend, communication CTAs, timeout, combine mode (`prereduce`: a
+            pre-reduced Triton call all-gathers the routing maps over `group` unless
+            prepared).
         plan: the resource manager's plan; computed here when None (ignored with
             `prepared`, which carries the plan it was prepared with).
         prepared: the result of `prepare_gemm2_gatherrs` for this call, if any (a Triton

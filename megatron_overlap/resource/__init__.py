@@ -23,6 +23,7 @@ from typing import Optional, Tuple, Union
 from megatron_overlap.config import GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
 from megatron_overlap.resource import model as _model
+from megatron_overlap.resource.mode import MODES, ModeChoice, choose_mode
 from megatron_overlap.resource.profile import HardwareProfile, load_profile
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "DEFAULT_TILE",
     "HardwareProfile",
     "KernelResources",
+    "MODES",
+    "ModeChoice",
     "Plan",
     "PlanBreakdown",
     "kernel_resources_from_compiled",
@@ -139,6 +142,10 @@ class Plan:
         predicted_us: the model's predicted time of the op (GEMM end + last store latency +
             finalize + launch), or None when the model did not run.
         breakdown: the model's terms, or None when it did not run.
+        mode: the combine mode, "direct" or "prereduce" (`GatherRSOptions.prereduce`: True
+            or False as given; "auto": `resource.mode.choose_mode` where it can run, else
+            "direct"). The pre-reduced mode uses num_ctas, not num_comm_ctas.
+        mode_choice: the two modes' predictions behind an "auto" choice, else None.
     """
 
     num_comm_ctas: int
@@ -146,6 +153,8 @@ class Plan:
     source: str
     predicted_us: Optional[float] = None
     breakdown: Optional[PlanBreakdown] = None
+    mode: str = "direct"
+    mode_choice: Optional[ModeChoice] = None
 
 
 _warned_fixed = False
@@ -178,7 +187,10 @@ def plan_gemm2_gatherrs(
     Args:
         meta: routing metadata of the call: `rows_per_expert_per_chunk` [L, R] int64 (chunk
             order), TP/EP sizes and ranks, `num_tokens`.
-        options: `GatherRSOptions`; `num_comm_ctas` overrides the choice of k.
+        options: `GatherRSOptions`; `num_comm_ctas` overrides the choice of k; `prereduce`
+            True / False fixes the mode, "auto" lets `resource.mode.choose_mode` pick it
+            from `meta.routed_counts` (the group-wide counts, so every rank picks alike;
+            "direct" where the model cannot run: one rank, no SM count, no H / F).
         num_sms: S, streaming multiprocessors of the GPU; None: no model (source "cpu").
         hidden: H, columns of the output rows; ffn: F, the GEMM depth (expert FFN width per
             TP rank). Either None: no model (source "fixed", warned once).
@@ -212,10 +224,13 @@ def plan_gemm2_gatherrs(
             raise ValueError(
                 f"moe_gatherrs_num_comm_ctas={override} exceeds the GPU's {num_sms} SMs; "
                 f"expected 1..{num_sms}")
+    fixed_mode = "prereduce" if options.prereduce is True else "direct"
     if num_sms is None:
         if override is not None:
-            return Plan(num_comm_ctas=override, num_ctas=None, source="override")
-        return Plan(num_comm_ctas=DEFAULT_NUM_COMM_CTAS, num_ctas=None, source="cpu")
+            return Plan(num_comm_ctas=override, num_ctas=None, source="override",
+                        mode=fixed_mode)
+        return Plan(num_comm_ctas=DEFAULT_NUM_COMM_CTAS, num_ctas=None, source="cpu",
+                    mode=fixed_mode)
 
     # imported here, not at the top: `python -m megatron_overlap.resource.solver` must find
     # the module not yet imported by its package (runpy warns otherwise)
@@ -250,7 +265,7 @@ def plan_gemm2_gatherrs(
                           "CTAs", stacklevel=2)
         k = override if override is not None else min(DEFAULT_NUM_COMM_CTAS, max(1, grid - 1))
         return Plan(num_comm_ctas=k, num_ctas=grid,
-                    source="override" if override is not None else "fixed")
+                    source="override" if override is not None else "fixed", mode=fixed_mode)
 
     hidden, ffn = _positive_int("hidden", hidden), _positive_int("ffn", ffn)
     elem_bytes = _positive_int("elem_bytes", elem_bytes)
@@ -298,5 +313,13 @@ def plan_gemm2_gatherrs(
         wave_bound_us=terms[2], gemm_us=gemm_us, store_latency_us=latency_us,
         finalize_us=finalize_us, launch_us=prof.launch_overhead_us)
     predicted = gemm_us + latency_us + finalize_us + prof.launch_overhead_us
+    mode, choice = fixed_mode, None
+    if (options.prereduce == "auto" and meta.group_size > 1 and meta.routed_counts is not None
+            and meta.topk):
+        choice = choose_mode(
+            meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size, topk=meta.topk,
+            hidden=hidden, elem_bytes=elem_bytes, grid=grid, tile_ps=problem[3], tile=tile,
+            link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps)
+        mode = choice.mode
     return Plan(num_comm_ctas=k, num_ctas=grid, source=source, predicted_us=predicted,
-                breakdown=breakdown)
+                breakdown=breakdown, mode=mode, mode_choice=choice)

@@ -147,10 +147,16 @@ def test_bad_layout_exits_2(tmp_path):
 def test_prereduce_needs_the_triton_backend():
     mod = _module()
     parser = mod.build_parser()
-    with pytest.raises(ValueError, match="--prereduce needs the Triton backend"):
-        mod.resolve_args(parser.parse_args(["--prereduce", "--backend", "reference"]), 1)
-    run = mod.resolve_args(parser.parse_args(["--prereduce", "--device", "cpu"]), 1)
-    assert run.prereduce and run.backend == "auto"
+    with pytest.raises(ValueError, match="--prereduce on needs the Triton backend"):
+        mod.resolve_args(parser.parse_args(["--prereduce", "on", "--backend", "reference"]), 1)
+    run = mod.resolve_args(parser.parse_args(["--prereduce", "on", "--device", "cpu"]), 1)
+    assert run.prereduce is True and run.backend == "auto"
+    run = mod.resolve_args(parser.parse_args(["--backend", "reference", "--device", "cpu"]), 1)
+    assert run.prereduce == "auto"  # the default: allowed with any backend
+    assert mod.resolve_args(parser.parse_args(["--prereduce", "off", "--device", "cpu"]),
+                            1).prereduce is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prereduce", "yes"])
 
 
 def test_trace_dir_needs_profile_and_a_writable_place(tmp_path):

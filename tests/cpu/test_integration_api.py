@@ -33,9 +33,12 @@ def test_command_line_arguments():
     assert config.moe_gatherrs_overlap is True
     assert (config.moe_gatherrs_backend, config.moe_gatherrs_num_comm_ctas) == ("reference", 24)
     assert config.moe_gatherrs_timeout_s == 5.0
-    assert config.moe_gatherrs_prereduce is False
-    pre = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-prereduce"])
-    assert apply_gatherrs_args(_config(), pre).moe_gatherrs_prereduce is True
+    assert config.moe_gatherrs_prereduce == "auto"  # the default: the resource manager's
+    for text, value in (("on", True), ("off", False), ("auto", "auto")):
+        pre = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-prereduce", text])
+        assert apply_gatherrs_args(_config(), pre).moe_gatherrs_prereduce == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-gatherrs-prereduce", "yes"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-gatherrs-backend", "cuda"])
     bad = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-num-comm-ctas", "0"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 import pytest
 import torch
@@ -45,7 +45,7 @@ class LayerCase:
     model: bool = False  # a 2-layer GPTModel instead of one MoELayer
     capacity_factor: Optional[float] = None
     backend: str = "reference"
-    prereduce: bool = False  # GatherRSOptions.prereduce (Triton only; ignored by "reference")
+    prereduce: Union[bool, str] = False  # GatherRSOptions.prereduce (True: Triton only)
 
 
 def _config(case: LayerCase, flag: bool, num_layers: int = 1):
@@ -126,6 +126,7 @@ def _run_layer_case(case: LayerCase, layout, device: str = "cpu") -> dict:
     results["stock_dispatcher_when_off"] = type(ours_off.token_dispatcher).__name__
     results["num_plans"] = ours_on.token_dispatcher.num_plans
     results["last_combine"] = ours_on.token_dispatcher.last_combine
+    results["plan_mode"] = ours_on.token_dispatcher.plan.mode
     if case.check_grads:
         results["grad_x_mismatch"] = describe_mismatch(grads["on"][0], grads["stock"][0],
                                                        rel_tol=tol)
@@ -244,8 +245,14 @@ def check_results(world: int, cases: list, results: list) -> None:
             assert res["dispatcher"] == "GatherRSAlltoAllTokenDispatcher", where
             assert res["stock_dispatcher_when_off"] == "MoEAlltoAllTokenDispatcher", where
             assert res["num_plans"] == 1, where
-            want = ("reference" if case.backend == "reference"
-                    else "prereduced" if case.prereduce else "direct")
+            if case.backend == "reference":
+                want = "reference"
+            elif case.prereduce == "auto":  # the plan's choice, the same on every rank
+                modes = {r[cases.index(case)]["plan_mode"] for r in results}
+                assert len(modes) == 1, (where, "ranks chose different modes", modes)
+                want = "prereduced" if res["plan_mode"] == "prereduce" else "direct"
+            else:
+                want = "prereduced" if case.prereduce else "direct"
             assert res["last_combine"] == want, (where, res["last_combine"], want)
             for key in ("grad_x_mismatch", "grad_fc1_mismatch"):
                 assert res.get(key) is None, (where, key, res[key])
@@ -285,7 +292,8 @@ def test_unsupported_configs_raise():
         replace(base, moe_gatherrs_timeout_s=1e-9)
     with pytest.raises(TypeError, match="must be a bool"):
         replace(base, moe_gatherrs_overlap="false")
-    with pytest.raises(TypeError, match="moe_gatherrs_prereduce='yes' must be a bool"):
+    with pytest.raises(TypeError, match="moe_gatherrs_prereduce='yes' must be True, False or "
+                                        "'auto'"):
         replace(base, moe_gatherrs_prereduce="yes")
     # Megatron itself refuses moe_permute_fusion without TE, so check ours directly.
     from megatron_overlap.megatron import validate_gatherrs_config

@@ -253,12 +253,14 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
 def test_prereduce_needs_the_triton_backend():
     module = _prefill_module()
     parser = module.build_parser()
-    with pytest.raises(ValueError, match="--prereduce needs the Triton backend"):
-        module.resolve_args(parser.parse_args(["--prereduce", "--backend", "reference",
+    with pytest.raises(ValueError, match="--prereduce on needs the Triton backend"):
+        module.resolve_args(parser.parse_args(["--prereduce", "on", "--backend", "reference",
                                                "--device", "cpu"]), world_size=1)
-    run = module.resolve_args(parser.parse_args(["--prereduce", "--device", "cpu"]),
+    run = module.resolve_args(parser.parse_args(["--prereduce", "on", "--device", "cpu"]),
                               world_size=1)
-    assert run.prereduce and run.backend == "auto"
+    assert run.prereduce is True and run.backend == "auto"
+    run = module.resolve_args(parser.parse_args(["--device", "cpu"]), world_size=1)
+    assert run.prereduce == "auto"
 
 
 def test_num_moe_layers_keeps_leading_dense_layers():

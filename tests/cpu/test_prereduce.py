@@ -97,7 +97,7 @@ def test_prereduced_call_checks_the_maps():
         make([maps[0], maps[1].long()])
     with pytest.raises(ValueError, match=r"routing_maps\[0\] \(this rank\)"):
         make([maps[1], maps[1]])
-    with pytest.raises(TypeError, match="moe_gatherrs_prereduce=1 must be a bool"):
+    with pytest.raises(TypeError, match="moe_gatherrs_prereduce=1 must be True, False or .auto."):
         GatherRSOptions(prereduce=1)
     with pytest.raises(ValueError, match="needs the Triton backend"):
         GatherRSOptions(prereduce=True, backend="reference")

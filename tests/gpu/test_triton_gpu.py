@@ -64,7 +64,7 @@ def _run_tile(case: OpCase, rank: int, tile) -> torch.Tensor:
     h, w2, meta = rank_operands(case, rank)
     h, w2, meta = h.cuda(), w2.cuda(), meta.to("cuda")
     group = dist.group.WORLD if case.tp * case.ep > 1 else None
-    opts = GatherRSOptions(backend="triton", timeout_s=20.0)
+    opts = GatherRSOptions(backend="triton", timeout_s=20.0, prereduce=False)  # _Call: direct
     num_sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms)
     ws = get_workspace(group, hidden=w2.shape[1], dtype=h.dtype, device=h.device)
@@ -238,7 +238,9 @@ def _timeout_worker(rank: int, world: int) -> list:
     if rank == 0:
         h, w2, meta = rank_operands(case, rank)
         h, w2, meta = h.cuda(), w2.cuda(), meta.to("cuda")
-        opts = GatherRSOptions(backend="triton", timeout_s=2.0)
+        # direct mode: "auto" might pick the pre-reduced one, whose routing-map gather is a
+        # collective that rank 1 (absent on purpose) would never join
+        opts = GatherRSOptions(backend="triton", timeout_s=2.0, prereduce=False)
         ws = get_workspace(dist.group.WORLD, hidden=case.hidden, dtype=h.dtype,
                            device=h.device)
         messages = []
@@ -290,8 +292,10 @@ def test_flag_on_triton_matches_flag_off(world):
     cases = [dataclasses.replace(c, dtype=torch.bfloat16, check_grads=False, backend="triton")
              for c in flag_suite._cases(world) if not c.model]
     # The pre-reduced mode through the Megatron layer (routing maps gathered by the
-    # dispatcher with the token counts it already has).
-    cases += [dataclasses.replace(c, prereduce=True) for c in cases]
+    # dispatcher with the token counts it already has), and the resource manager's choice
+    # (the default, "auto": every rank must choose alike; check_results asserts it).
+    cases += ([dataclasses.replace(c, prereduce=True) for c in cases]
+              + [dataclasses.replace(c, prereduce="auto") for c in cases])
     results = run_distributed(flag_suite._worker, world, cases, timeout_s=400,
                               backend="nccl", device="cuda")
     flag_suite.check_results(world, cases, results)

@@ -1,0 +1,150 @@
+"""The resource manager's combine-mode choice (`resource.mode`, docs/resource_model.md).
+
+The choice must be the same on every rank of a group (the two modes issue different
+collectives), follow the documented formulas, and, with the shipped H200 profile, pick the
+mode that was measured faster on the operator suite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_overlap.bench.workloads import rank_rows, routing_maps
+from megatron_overlap.config import GatherRSOptions, prereduce_arg
+from megatron_overlap.models import load_model_shape
+from megatron_overlap.resource import load_profile, plan_gemm2_gatherrs
+from megatron_overlap.resource.mode import choose_mode
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def _plans(maps, tp, ep, topk, hidden, ffn, prereduce="auto", num_sms=132):
+    world = tp * ep
+    return [plan_gemm2_gatherrs(rank_rows(maps, tp=tp, ep=ep, rank=r, topk=topk).meta,
+                                GatherRSOptions(backend="triton", prereduce=prereduce),
+                                num_sms=num_sms, hidden=hidden, ffn=ffn)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)])
+@pytest.mark.parametrize("tokens", [[64, 64, 64, 64], [300, 7, 0, 91]])
+def test_every_rank_chooses_alike(tp, ep, tokens):
+    world = tp * ep
+    maps = routing_maps(tokens[:world], 16, 4, "skewed", seed=3)
+    plans = _plans(maps, tp, ep, 4, hidden=256, ffn=128)
+    assert len({p.mode for p in plans}) == 1, [p.mode for p in plans]
+    assert len({p.mode_choice for p in plans}) == 1  # the same predictions, bit for bit
+
+
+def test_fixed_modes_and_where_auto_cannot_run():
+    maps = routing_maps([256, 256], 16, 4, "uniform", seed=0)
+    meta = rank_rows(maps, tp=2, ep=1, rank=0, topk=4).meta
+    for prereduce, mode in ((True, "prereduce"), (False, "direct")):
+        opts = GatherRSOptions(backend="triton", prereduce=prereduce)
+        for kwargs in ({}, {"num_sms": 132}, {"num_sms": 132, "hidden": 256, "ffn": 64}):
+            plan = plan_gemm2_gatherrs(meta, opts, **kwargs)
+            assert (plan.mode, plan.mode_choice) == (mode, None), (prereduce, kwargs)
+    auto = GatherRSOptions(backend="triton")
+    assert auto.prereduce == "auto"  # the default
+    assert plan_gemm2_gatherrs(meta, auto).mode == "direct"  # no SM count: no model
+    assert plan_gemm2_gatherrs(meta, auto, num_sms=132).mode == "direct"  # no H / F
+    one = rank_rows(routing_maps([256], 16, 4, "uniform", seed=0), tp=1, ep=1, rank=0,
+                    topk=4).meta
+    plan = plan_gemm2_gatherrs(one, auto, num_sms=132, hidden=256, ffn=64)
+    assert (plan.mode, plan.mode_choice) == ("direct", None)  # one rank: nothing travels
+
+
+def test_formulas_on_a_small_case():
+    """Two ranks, TP = 2: every token's k rows are computed on both ranks (F / 2 each)."""
+    counts = np.array([[3, 1, 2, 2], [0, 4, 4, 0]], dtype=np.int64)  # [R, E], top-2
+    prof = load_profile("h200")
+    tau_ps = 10_000_000  # 10 us
+    choice = choose_mode(counts, tp_size=2, ep_size=1, topk=2, hidden=512, elem_bytes=2,
+                         grid=4, tile_ps=tau_ps, tile=(128, 256, 64),
+                         link_gbps=prof.link_bandwidth_gbps,
+                         hbm_gbps=prof.hbm_bandwidth_gbps)
+    row_link = 512 * 2 / (prof.link_bandwidth_gbps * 1e3)
+    row_hbm = 512 * 2 / (prof.hbm_bandwidth_gbps * 1e3)
+    tokens = [4, 4]  # 8 routed pairs / top-2 each
+    direct, pre = [], []
+    for q in range(2):
+        # tiles: each (expert, chunk) block with rows is ceil(rows / 128) = 1 x 2 column tiles
+        blocks = int((counts > 0).sum())
+        waves = math.ceil(blocks * 2 / 4) * 10.0
+        remote_rows = int(counts[1 - q].sum())
+        direct.append(max(waves, remote_rows * row_link)
+                      + (int(counts[q].sum()) * 2 + tokens[q]) * row_hbm)
+        pre.append(waves + int(counts.sum()) * row_hbm + tokens[1 - q] * row_link
+                   + 3 * tokens[q] * row_hbm)
+    assert choice.direct_us == pytest.approx(max(direct))
+    assert choice.prereduce_us == pytest.approx(max(pre))
+    assert choice.mode == ("prereduce" if max(pre) < max(direct) else "direct")
+
+
+def test_link_bound_picks_prereduce_and_compute_bound_picks_direct():
+    # Qwen3-30B-A3B at TP = 2 (top-8 rows of every token cross the link): pre-reduced;
+    # Mixtral-8x7B (F = 7168 per rank: the link hides under the GEMM2): direct.
+    for name, want in (("qwen3-30b-a3b", "prereduce"), ("mixtral-8x7b", "direct")):
+        s = load_model_shape(name)
+        maps = routing_maps([8192, 8192], s.num_moe_experts, s.moe_router_topk, "uniform",
+                            seed=0)
+        plans = _plans(maps, 2, 1, s.moe_router_topk, s.hidden_size,
+                       s.moe_ffn_hidden_size // 2)
+        assert {p.mode for p in plans} == {want}, (name, plans[0].mode_choice)
+
+
+def test_matches_the_measured_faster_mode():
+    """With the shipped profile, the operator suite's 16 workloads: the chosen mode is the one
+    measured faster (docs/results/bench_op_v44_2xH200.jsonl, prepared calls, interleaved)."""
+    measured = {}
+    with open(RESULTS / "bench_op_v44_2xH200.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            measured.setdefault((r["model"], r["tokens_per_rank"], r["layout"]), {})[
+                r["provider"]] = r["p50_ms"]
+    assert len(measured) == 16
+    wrong = []
+    for (model, tokens, layout), t in measured.items():
+        s = load_model_shape(model)
+        tp, ep = (2, 1) if layout == "tp2" else (1, 2)
+        maps = routing_maps([tokens] * 2, s.num_moe_experts, s.moe_router_topk, "uniform",
+                            seed=0)  # bench_op's routing (its --seed default)
+        plans = _plans(maps, tp, ep, s.moe_router_topk, s.hidden_size,
+                       s.moe_ffn_hidden_size // tp)
+        faster = "prereduce" if t["ours_prereduced"] < t["ours_prepared"] else "direct"
+        if plans[0].mode != faster:
+            wrong.append((model, tokens, layout, plans[0].mode, faster))
+    assert not wrong, wrong
+
+
+def test_bad_counts_are_named():
+    kwargs = dict(tp_size=1, ep_size=2, topk=2, hidden=64, elem_bytes=2, grid=4,
+                  tile_ps=1000, tile=(128, 256, 64), link_gbps=300.0, hbm_gbps=4000.0)
+    with pytest.raises(ValueError, match="routed_counts must be an integer"):
+        choose_mode(np.zeros((3, 4), dtype=np.int64), **kwargs)  # 3 rows for R = 2
+    with pytest.raises(ValueError, match="routed_counts must be an integer"):
+        choose_mode(np.zeros((2, 3), dtype=np.int64), **kwargs)  # E = 3, EP = 2
+    with pytest.raises(ValueError, match="negative count"):
+        choose_mode(np.array([[1, -1], [0, 0]]), **kwargs)
+    with pytest.raises(ValueError, match="grid=0"):
+        choose_mode(np.zeros((2, 4), dtype=np.int64), **{**kwargs, "grid": 0})
+    with pytest.raises(ValueError, match="bandwidths"):
+        choose_mode(np.zeros((2, 4), dtype=np.int64), **{**kwargs, "link_gbps": 0.0})
+
+
+def test_options_and_command_line_spellings():
+    assert GatherRSOptions(backend="reference").prereduce == "auto"  # auto works anywhere
+    with pytest.raises(ValueError, match="needs the Triton backend"):
+        GatherRSOptions(backend="reference", prereduce=True)
+    with pytest.raises(TypeError, match="must be True, False or 'auto'"):
+        GatherRSOptions(prereduce="on")  # the command-line spelling is not a config value
+    assert [prereduce_arg(t) for t in ("auto", "on", "off")] == ["auto", True, False]
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="expected one of auto, on, off"):
+        prereduce_arg("yes")
