@@ -40,7 +40,6 @@ from typing import Tuple
 
 import numpy as np
 
-from megatron_overlap.metadata import chunk_to_group_rank
 from megatron_overlap.resource import model as _model
 
 MODES = ("direct", "prereduce")
@@ -111,7 +110,8 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
     num_experts = counts.shape[1]
     num_local = num_experts // ep_size
     bm, bn, _ = tile
-    tokens = _tokens(counts, topk)
+    counts = counts.astype(np.int64)
+    tokens = _tokens(counts, topk)  # [R]
     row_us_link = hidden * elem_bytes / (link_gbps * 1e3)  # one row over the link, in us
     row_us_hbm = hidden * elem_bytes / (hbm_gbps * 1e3)
     k = min(topk, num_experts)
@@ -119,25 +119,24 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
         p_any = 1.0 - math.comb(num_experts - num_local, k) / math.comb(num_experts, k)
     else:
         p_any = 1.0
-    chunk_groups = [chunk_to_group_rank(c, tp_size, ep_size) for c in range(r)]
-    tau_us = tile_ps / _model.PS_PER_US
-    direct, pre = [], []
-    for q in range(r):
-        ep_q, tp_q = divmod(q, tp_size)
-        experts = slice(ep_q * num_local, (ep_q + 1) * num_local)
-        rows_to = counts[:, experts].sum(axis=1)  # rows q computes for each destination
-        rpc = counts[chunk_groups, experts].T  # [L, R] chunk order, as the metadata has it
-        remote_tiles, local_tiles, remote_rows = _model.count_tiles(
-            rpc, tp_q * ep_size + ep_q, bm, bn, hidden)
-        waves_us = -(-(remote_tiles + local_tiles) // grid) * tau_us
-        link_d = remote_rows * row_us_link
-        recv_rows = int(counts[q].sum()) * tp_size
-        direct.append(max(waves_us, link_d) + (recv_rows + int(tokens[q])) * row_us_hbm)
-        pre_rows = sum(min(float(rows_to[d]), float(tokens[d]) * p_any)
-                       for d in range(r) if d != q)
-        pre.append(waves_us + int(rows_to.sum()) * row_us_hbm + pre_rows * row_us_link
-                   + (r + 1) * int(tokens[q]) * row_us_hbm)
-    d_max, p_max = max(direct), max(pre)
+    # Group rank q = ep * TP + tp computes the rows of EP slice j = q // TP for every source
+    # d (its F / TP share): per (d, j), rows and tiles (ceil(rows / BM) x ceil(H / BN) per
+    # (expert, source) block, as `resource.model.count_tiles`).
+    per_slice = counts.reshape(r, ep_size, num_local)
+    rows_to = per_slice.sum(axis=2)  # [R sources, EP slices]
+    tiles = (-(-per_slice // bm)).sum(axis=2) * -(-hidden // bn)
+    q = np.arange(r)
+    j = q // tp_size
+    rows_q = rows_to[:, j].sum(axis=0)  # [R]: rows rank q computes
+    remote_rows = rows_q - rows_to[q, j]
+    waves_us = -(-tiles[:, j].sum(axis=0) // grid) * (tile_ps / _model.PS_PER_US)
+    direct = (np.maximum(waves_us, remote_rows * row_us_link)
+              + (counts.sum(axis=1) * tp_size + tokens) * row_us_hbm)
+    pre_to = np.minimum(rows_to[:, j], tokens[:, None] * p_any)  # [d, q]
+    pre_to[q, q] = 0.0  # a rank's own tokens do not travel
+    pre = (waves_us + rows_q * row_us_hbm + pre_to.sum(axis=0) * row_us_link
+           + (r + 1) * tokens * row_us_hbm)
+    d_max, p_max = float(direct.max()), float(pre.max())
     mode = "prereduce" if p_max < d_max else "direct"
     times = pre if mode == "prereduce" else direct
     return ModeChoice(mode, d_max, p_max, int(np.argmax(times)))

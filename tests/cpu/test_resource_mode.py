@@ -86,6 +86,53 @@ def test_formulas_on_a_small_case():
     assert choice.mode == ("prereduce" if max(pre) < max(direct) else "direct")
 
 
+def _loop_reference(counts, tp, ep, topk, hidden, grid, tau_us, link, hbm):
+    """choose_mode's formulas written per rank with the metadata's own tile counting."""
+    from megatron_overlap.metadata import chunk_to_group_rank
+    from megatron_overlap.resource.model import count_tiles
+
+    r, num_experts = counts.shape
+    num_local = num_experts // ep
+    tokens = [-(-int(c) // topk) for c in counts.sum(axis=1)]
+    k = min(topk, num_experts)
+    p_any = (1 - math.comb(num_experts - num_local, k) / math.comb(num_experts, k)
+             if ep > 1 and num_experts - num_local >= k else 1.0)
+    row_link, row_hbm = hidden * 2 / (link * 1e3), hidden * 2 / (hbm * 1e3)
+    groups = [chunk_to_group_rank(c, tp, ep) for c in range(r)]
+    direct, pre = [], []
+    for q in range(r):
+        ep_q, tp_q = divmod(q, tp)
+        experts = slice(ep_q * num_local, (ep_q + 1) * num_local)
+        remote_tiles, local_tiles, remote_rows = count_tiles(
+            counts[groups, experts].T, tp_q * ep + ep_q, 128, 256, hidden)
+        waves = -(-(remote_tiles + local_tiles) // grid) * tau_us
+        rows_to = counts[:, experts].sum(axis=1)
+        direct.append(max(waves, remote_rows * row_link)
+                      + (int(counts[q].sum()) * tp + tokens[q]) * row_hbm)
+        pre.append(waves + int(rows_to.sum()) * row_hbm
+                   + sum(min(float(rows_to[d]), tokens[d] * p_any) for d in range(r) if d != q)
+                   * row_link + (r + 1) * tokens[q] * row_hbm)
+    return max(direct), max(pre)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorised_formulas_match_a_per_rank_loop(seed):
+    rng = np.random.default_rng(seed)
+    tp, ep = [(1, 2), (2, 1), (2, 2), (1, 8), (4, 2), (8, 1)][seed]
+    num_experts = ep * int(rng.integers(1, 9))
+    topk = int(rng.integers(1, num_experts + 1))
+    counts = rng.integers(0, 3000, size=(tp * ep, num_experts))
+    counts[rng.random(counts.shape) < 0.2] = 0  # experts without tokens
+    hidden = int(rng.choice([64, 1000, 2048, 4096]))
+    grid, tau_ps = int(rng.integers(1, 300)), int(rng.integers(1_000_000, 200_000_000))
+    choice = choose_mode(counts, tp_size=tp, ep_size=ep, topk=topk, hidden=hidden,
+                         elem_bytes=2, grid=grid, tile_ps=tau_ps, tile=(128, 256, 64),
+                         link_gbps=350.0, hbm_gbps=4000.0)
+    d, p = _loop_reference(counts, tp, ep, topk, hidden, grid, tau_ps / 1e6, 350.0, 4000.0)
+    assert choice.direct_us == pytest.approx(d, rel=1e-12)
+    assert choice.prereduce_us == pytest.approx(p, rel=1e-12)
+
+
 def test_link_bound_picks_prereduce_and_compute_bound_picks_direct():
     # Qwen3-30B-A3B at TP = 2 (top-8 rows of every token cross the link): pre-reduced;
     # Mixtral-8x7B (F = 7168 per rank: the link hides under the GEMM2): direct.
