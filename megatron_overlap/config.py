@@ -99,9 +99,11 @@ class GatherRSOptions:
     (`megatron_overlap.ops.triton_prereduce`). "auto" (default): the resource manager picks
     one per call from the group's routing counts (`resource.mode.choose_mode`; every rank
     picks alike). The pre-reduced mode needs every rank's routing map: one all-gather per
-    call (`ops.gemm2_gatherrs.gather_routing_maps`; plus a host sync for the token counts
-    where the caller does not pass them, as the op-level `gemm2_gatherrs` does not; the
-    Megatron dispatcher does)."""
+    call, which the Megatron dispatcher does without a host sync
+    (`ops.gemm2_gatherrs.gather_routing_maps` with the token counts it has). At the op level
+    (`gemm2_gatherrs` / `prepare_gemm2_gatherrs`) True gathers them inside (a collective
+    plus a host sync for the token counts), while "auto" takes the pre-reduced mode only
+    where the caller passes `routing_maps` to `prepare_gemm2_gatherrs`, else runs direct."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.prereduce, bool)

@@ -119,9 +119,11 @@ def prepare_gemm2_gatherrs(
         h_like: any tensor with h's dtype, device and autograd state (e.g. the dispatched
             tokens): it decides the backend as h would.
         w2, meta, group, options, plan: as `gemm2_gatherrs`.
-        routing_maps: when the plan's mode is "prereduce", every rank's [T_d, E] routing
-            map in group-rank order on h's device; all-gathered here when None (a
-            collective and a host sync). Ignored otherwise.
+        routing_maps: every rank's [T_d, E] routing map in group-rank order on h's device,
+            for the pre-reduced mode. With `options.prereduce=True` they are all-gathered
+            here when None (a collective and a host sync); with "auto" and None the call
+            runs direct even where the plan chose "prereduce" (no hidden collective).
+            Every rank must pass them alike (all or none). Ignored in the direct mode.
 
     Returns:
         A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
@@ -151,7 +153,14 @@ def prepare_gemm2_gatherrs(
                                                              w2.shape[1]))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
-    if plan.mode == "prereduce":  # the same on every rank (options, group-wide counts)
+    # plan.mode is the same on every rank (options, group-wide counts). An "auto" choice of
+    # the pre-reduced mode is taken only where the caller passes the routing maps (the
+    # Megatron dispatcher does, gathered without a host sync); gathering them here would add
+    # a collective and a host sync to every call, so such a call runs direct. Every rank
+    # must pass routing_maps alike.
+    prereduce = plan.mode == "prereduce" and (options.prereduce is True
+                                              or routing_maps is not None)
+    if prereduce:
         from megatron_overlap.ops.triton_prereduce import PreReducedCall
 
         if routing_maps is None:

@@ -195,3 +195,52 @@ def test_options_and_command_line_spellings():
 
     with pytest.raises(argparse.ArgumentTypeError, match="expected one of auto, on, off"):
         prereduce_arg("yes")
+
+
+def test_op_level_auto_runs_prereduced_only_with_routing_maps(monkeypatch):
+    """prepare_gemm2_gatherrs: a plan whose mode is "prereduce" runs pre-reduced when the
+    caller passes the routing maps or asked for the mode (True: gathered inside); with
+    "auto" and no maps it runs direct, adding no hidden collective."""
+    import dataclasses
+    import importlib
+
+    import torch
+
+    # (the package re-exports functions under the modules' names: import the modules)
+    op = importlib.import_module("megatron_overlap.ops.gemm2_gatherrs")
+    direct_mod = importlib.import_module("megatron_overlap.ops.triton_gemm2_gatherrs")
+    pre_mod = importlib.import_module("megatron_overlap.ops.triton_prereduce")
+    symm = importlib.import_module("megatron_overlap.symm")
+
+    made = []
+
+    def fake(kind):
+        def make(meta, ws, plan, **kwargs):
+            made.append((kind, kwargs.get("routing_maps")))
+            return kind
+        return make
+
+    monkeypatch.setattr(op, "resolve_backend", lambda *a, **k: "triton")
+    monkeypatch.setattr(symm, "get_workspace", lambda *a, **k: "ws")
+    monkeypatch.setattr(direct_mod, "_Call", fake("direct"))
+    monkeypatch.setattr(pre_mod, "PreReducedCall", fake("prereduce"))
+    monkeypatch.setattr(op, "gather_routing_maps", lambda *a, **k: ["gathered"])
+    maps = routing_maps([64, 64], 8, 2, "uniform", seed=0)
+    meta = rank_rows(maps, tp=2, ep=1, rank=0, topk=2).meta
+    h, w2 = torch.zeros(4, 16), torch.zeros(8, 32, 16)
+    plan = dataclasses.replace(
+        plan_gemm2_gatherrs(meta, GatherRSOptions(prereduce=False), num_sms=132, hidden=32,
+                            ffn=16), mode="prereduce")
+    for prereduce, given, want in (("auto", None, ("direct", None)),
+                                   ("auto", maps, ("prereduce", maps)),
+                                   (True, None, ("prereduce", ["gathered"])),
+                                   (True, maps, ("prereduce", maps))):
+        made.clear()
+        got = op.prepare_gemm2_gatherrs(h, w2, meta, group=None, plan=plan,
+                                        options=GatherRSOptions(prereduce=prereduce),
+                                        routing_maps=given)
+        assert (got, made[0][1]) == want, (prereduce, given)
+    made.clear()
+    direct_plan = dataclasses.replace(plan, mode="direct")
+    assert op.prepare_gemm2_gatherrs(h, w2, meta, group=None, plan=direct_plan,
+                                     options=GatherRSOptions(), routing_maps=maps) == "direct"
