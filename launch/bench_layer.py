@@ -154,11 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "from it; 'off-te' is skipped where Transformer Engine is missing)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="moe_gatherrs_backend of the flag-on layer (default auto)")
-    parser.add_argument("--prereduce", type=prereduce_arg, default="auto",
-                        metavar="{auto,on,off}",
+    parser.add_argument("--prereduce", type=prereduce_arg, default="auto", nargs="?",
+                        const=True, metavar="{auto,on,off}",
                         help="moe_gatherrs_prereduce of the flag-on layer: auto (default: "
                              "the resource manager picks direct or pre-reduced per call), on "
-                             "(pre-reduced; Triton backend) or off (direct)")
+                             "(pre-reduced; Triton backend; also the bare flag) or off "
+                             "(direct)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="params and compute dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,

@@ -11,8 +11,8 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
   prereduced    (b) non-overlapped, pre-reduced: grouped GEMM, local top-k gather, the
                 collective on the reduced rows, finalize (`reference.gatherrs_reference`)
   ours_nocomm   (d) our fused kernel with its GEMM2 tiles only (communication off)
-  ours          the fused Triton op as `gemm2_gatherrs` runs it (the plan's mode), host work
-                included (tables, copies, launches; routing-map gather if pre-reduced)
+  ours          the fused Triton op as `gemm2_gatherrs` runs it, host work included (tables,
+                copies, launches); op-level "auto" without routing maps runs direct
   ours_prepared the op as the Megatron layer runs it: host work done beforehand (it
                 overlaps FC1 there), launches + GPU work timed
                 (direct mode, the plan's grid and communication CTAs)

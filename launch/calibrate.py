@@ -264,6 +264,8 @@ def main(argv=None) -> int:
     if len(ksteps) < 2:
         parser.error(f"--ffn {' '.join(map(str, args.ffn))}: the fit needs >= 2 distinct "
                      f"K-step counts (ceil(F / {DEFAULT_TILE[2]})), got {sorted(ksteps)}")
+    if not args.name.strip():
+        parser.error(f"--name {args.name!r}: expected a non-empty profile name")
     try:
         base = load_profile(args.base)
         check_launch_inputs(args.out)

@@ -244,10 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prereduce",
         type=prereduce_arg,
         default="auto",
+        nargs="?",
+        const=True,
         metavar="{auto,on,off}",
         help="moe_gatherrs_prereduce of the flag-on model: auto (default: the resource "
              "manager picks direct or pre-reduced per call), on (pre-reduced; Triton "
-             "backend) or off (direct)",
+             "backend; also the bare flag) or off (direct)",
     )
     parser.add_argument(
         "--dtype",

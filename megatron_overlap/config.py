@@ -106,8 +106,14 @@ class GatherRSOptions:
     where the caller passes `routing_maps` to `prepare_gemm2_gatherrs`, else runs direct."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.prereduce, bool)
-                or (isinstance(self.prereduce, str) and self.prereduce == "auto")):
+        if isinstance(self.prereduce, str):
+            if self.prereduce != "auto":
+                hint = (f" (the command line's {self.prereduce!r} is "
+                        f"{PREREDUCE_CHOICES[self.prereduce]!r} here)"
+                        if self.prereduce in PREREDUCE_CHOICES else "")
+                raise ValueError(f"moe_gatherrs_prereduce={self.prereduce!r} must be True, "
+                                 f"False or 'auto'{hint}")
+        elif not isinstance(self.prereduce, bool):
             raise TypeError(f"moe_gatherrs_prereduce={self.prereduce!r} must be True, False "
                             "or 'auto'")
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:

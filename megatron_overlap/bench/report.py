@@ -20,6 +20,7 @@ timestamp, torch.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Dict, List, Tuple
 
 from megatron_overlap.bench.cli import json_rows
@@ -134,8 +135,15 @@ def main(argv=None) -> int:
         rows = load_rows(args.jsonl)
     except (OSError, ValueError) as err:
         parser.error(str(err))
+    if not rows:
+        parser.error(f"{args.jsonl}: no operator rows (launch/bench_op.py writes them)")
     print(table(rows))
     if args.plot:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            parser.error(f"--plot {args.plot!r}: cannot create its folder: {err}")
         plot(rows, args.plot)
     return 0
 

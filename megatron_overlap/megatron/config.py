@@ -142,10 +142,11 @@ def add_gatherrs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--moe-gatherrs-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                        help="Bound on every GPU spin-wait, seconds.")
     group.add_argument("--moe-gatherrs-prereduce", type=prereduce_arg, default="auto",
-                       metavar="{auto,on,off}",
+                       nargs="?", const=True, metavar="{auto,on,off}",
                        help="Combine mode: auto (default: the resource manager picks direct "
                             "or pre-reduced per call), on (sum each token's rows before they "
-                            "travel; Triton backend only) or off (direct).")
+                            "travel; Triton backend only; also the bare flag) or off "
+                            "(direct).")
     return parser
 
 

@@ -18,6 +18,7 @@ The combine half (`gemm2_gatherrs_combine`) replaces Megatron's `combine_preproc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import numpy as np
@@ -99,6 +100,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         check_environment()
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         self.options = gatherrs_options(config)
+        # Planned with where the reference path runs (no combine mode to choose there, and
+        # the mode model's host time is saved).
+        self._direct_options = dataclasses.replace(self.options, prereduce=False)
         self.metadata: Optional[GatherRSMetadata] = None
         self.plan: Optional[Plan] = None
         self._prepared = None  # a prepared Triton call (prepare_combine), or None
@@ -288,7 +292,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
         with span("mo.plan"):
             self.plan = plan_gemm2_gatherrs(
-                self.metadata, self.options, num_sms=self._num_sms, hidden=w2.shape[1],
+                self.metadata, self.options if self._triton else self._direct_options,
+                num_sms=self._num_sms, hidden=w2.shape[1],
                 ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                 recv_rows=recv_rows * self.tp_size,
                 kernel=compiled_resources(h_like.dtype, w2.shape[2], w2.shape[1]))

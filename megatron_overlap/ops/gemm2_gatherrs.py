@@ -5,6 +5,7 @@ Shape symbols as in `megatron_overlap.metadata`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 import warnings
@@ -147,7 +148,10 @@ def prepare_gemm2_gatherrs(
 
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
-        plan = plan_gemm2_gatherrs(meta, options, num_sms=num_sms, hidden=w2.shape[1],
+        plan_options = options
+        if options.prereduce == "auto" and routing_maps is None:  # runs direct (see below)
+            plan_options = dataclasses.replace(options, prereduce=False)
+        plan = plan_gemm2_gatherrs(meta, plan_options, num_sms=num_sms, hidden=w2.shape[1],
                                    ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                                    kernel=compiled_resources(h_like.dtype, w2.shape[2],
                                                              w2.shape[1]))

@@ -145,7 +145,9 @@ class Plan:
         mode: the combine mode, "direct" or "prereduce" (`GatherRSOptions.prereduce`: True
             or False as given; "auto": `resource.mode.choose_mode` where it can run, else
             "direct"). The pre-reduced mode uses num_ctas, not num_comm_ctas.
-        mode_choice: the two modes' predictions behind an "auto" choice, else None.
+        mode_choice: the two modes' predictions behind an "auto" choice, else None. They
+            come from `resource.mode`'s simpler model (whole GEMM2 waves at the profile's
+            calibrated occupancy, no launches), so its direct_us is not predicted_us.
     """
 
     num_comm_ctas: int
@@ -316,10 +318,17 @@ def plan_gemm2_gatherrs(
     mode, choice = fixed_mode, None
     if (options.prereduce == "auto" and meta.group_size > 1 and meta.routed_counts is not None
             and meta.topk):
+        # Only inputs every rank has alike: the group-wide counts, the shapes, the profile
+        # and the SM count (the group's GPUs are alike), and the profile's calibrated CTAs
+        # per SM and tile time, not this process's compiled-kernel occupancy (o_p, known
+        # only after its first launch, which a rank without tiles may not have had).
+        ref_ctas = tile_time.ctas_per_sm
+        tau_ref_ps = max(1, _model._ps(
+            (tile_time.alpha_us + tile_time.beta_us * float(-(-ffn // bk))) * 1e6))
         choice = choose_mode(
             meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size, topk=meta.topk,
-            hidden=hidden, elem_bytes=elem_bytes, grid=grid, tile_ps=problem[3], tile=tile,
-            link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps)
+            hidden=hidden, elem_bytes=elem_bytes, grid=num_sms * ref_ctas, tile_ps=tau_ref_ps,
+            tile=tile, link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps)
         mode = choice.mode
     return Plan(num_comm_ctas=k, num_ctas=grid, source=source, predicted_us=predicted,
                 breakdown=breakdown, mode=mode, mode_choice=choice)

@@ -157,6 +157,7 @@ def test_prereduce_needs_the_triton_backend():
                             1).prereduce is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--prereduce", "yes"])
+    assert parser.parse_args(["--prereduce"]).prereduce is True  # the bare flag: on
 
 
 def test_trace_dir_needs_profile_and_a_writable_place(tmp_path):

@@ -39,6 +39,8 @@ def test_command_line_arguments():
         assert apply_gatherrs_args(_config(), pre).moe_gatherrs_prereduce == value
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-gatherrs-prereduce", "yes"])
+    bare = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-prereduce"])
+    assert apply_gatherrs_args(_config(), bare).moe_gatherrs_prereduce is True  # as before
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-gatherrs-backend", "cuda"])
     bad = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-num-comm-ctas", "0"])

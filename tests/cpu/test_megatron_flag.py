@@ -45,7 +45,7 @@ class LayerCase:
     model: bool = False  # a 2-layer GPTModel instead of one MoELayer
     capacity_factor: Optional[float] = None
     backend: str = "reference"
-    prereduce: Union[bool, str] = False  # GatherRSOptions.prereduce (True: Triton only)
+    prereduce: Union[bool, str] = "auto"  # GatherRSOptions.prereduce (True: Triton only)
 
 
 def _config(case: LayerCase, flag: bool, num_layers: int = 1):
@@ -247,6 +247,8 @@ def check_results(world: int, cases: list, results: list) -> None:
             assert res["num_plans"] == 1, where
             if case.backend == "reference":
                 want = "reference"
+                # planned without a mode choice: the reference path has none
+                assert res["plan_mode"] == "direct", (where, res["plan_mode"])
             elif case.prereduce == "auto":  # the plan's choice, the same on every rank
                 modes = {r[cases.index(case)]["plan_mode"] for r in results}
                 assert len(modes) == 1, (where, "ranks chose different modes", modes)
@@ -292,8 +294,8 @@ def test_unsupported_configs_raise():
         replace(base, moe_gatherrs_timeout_s=1e-9)
     with pytest.raises(TypeError, match="must be a bool"):
         replace(base, moe_gatherrs_overlap="false")
-    with pytest.raises(TypeError, match="moe_gatherrs_prereduce='yes' must be True, False or "
-                                        "'auto'"):
+    with pytest.raises(ValueError, match="moe_gatherrs_prereduce='yes' must be True, False or "
+                                         "'auto'"):
         replace(base, moe_gatherrs_prereduce="yes")
     # Megatron itself refuses moe_permute_fusion without TE, so check ours directly.
     from megatron_overlap.megatron import validate_gatherrs_config

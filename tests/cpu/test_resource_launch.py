@@ -51,6 +51,14 @@ def test_fits_recover_the_model():
         calibrate.fit_link([1], [0.0])
 
 
+def test_calibrate_rejects_an_empty_name_up_front(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        calibrate.main(["--dry-run", "--out", str(tmp_path / "x.yaml"), "--name", " "])
+    assert exit_info.value.code == 2
+    assert "--name ' ': expected a non-empty profile name" in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists()
+
+
 def test_calibrate_dry_run_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "h200.yaml"
     assert calibrate.main(["--dry-run", "--out", str(out)]) == 0

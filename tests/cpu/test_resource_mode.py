@@ -41,6 +41,24 @@ def test_every_rank_chooses_alike(tp, ep, tokens):
     assert len({p.mode_choice for p in plans}) == 1  # the same predictions, bit for bit
 
 
+def test_choice_ignores_what_differs_between_ranks():
+    """The compiled kernel's occupancy (known to a process only after its first launch) and
+    the rows a rank's finalize reads differ between ranks; the mode must not depend on them."""
+    from megatron_overlap.resource import KernelResources
+
+    s = load_model_shape("qwen3-30b-a3b")
+    maps = routing_maps([1980, 1980], s.num_moe_experts, s.moe_router_topk, "uniform", seed=0)
+    meta = rank_rows(maps, tp=2, ep=1, rank=0, topk=s.moe_router_topk).meta
+    opts = GatherRSOptions(backend="triton")
+    two_per_sm = KernelResources(registers_per_thread=64, shared_bytes=96 * 1024,
+                                 threads_per_cta=256)
+    plans = [plan_gemm2_gatherrs(meta, opts, num_sms=132, hidden=s.hidden_size,
+                                 ffn=s.moe_ffn_hidden_size // 2, kernel=kernel, recv_rows=rows)
+             for kernel in (None, two_per_sm) for rows in (None, 0, 10**6)]
+    assert {p.num_ctas for p in plans} == {132, 264}  # the grid does follow the kernel
+    assert len({(p.mode, p.mode_choice) for p in plans}) == 1
+
+
 def test_fixed_modes_and_where_auto_cannot_run():
     maps = routing_maps([256, 256], 16, 4, "uniform", seed=0)
     meta = rank_rows(maps, tp=2, ep=1, rank=0, topk=4).meta
@@ -188,8 +206,13 @@ def test_options_and_command_line_spellings():
     assert GatherRSOptions(backend="reference").prereduce == "auto"  # auto works anywhere
     with pytest.raises(ValueError, match="needs the Triton backend"):
         GatherRSOptions(backend="reference", prereduce=True)
-    with pytest.raises(TypeError, match="must be True, False or 'auto'"):
+    with pytest.raises(ValueError, match=r"must be True, False or 'auto' \(the command line's "
+                                         r"'on' is True here\)"):
         GatherRSOptions(prereduce="on")  # the command-line spelling is not a config value
+    with pytest.raises(ValueError, match="must be True, False or 'auto'$"):
+        GatherRSOptions(prereduce="Auto")
+    with pytest.raises(TypeError, match="must be True, False or 'auto'"):
+        GatherRSOptions(prereduce=1)
     assert [prereduce_arg(t) for t in ("auto", "on", "off")] == ["auto", True, False]
     import argparse
 
@@ -244,3 +267,53 @@ def test_op_level_auto_runs_prereduced_only_with_routing_maps(monkeypatch):
     direct_plan = dataclasses.replace(plan, mode="direct")
     assert op.prepare_gemm2_gatherrs(h, w2, meta, group=None, plan=direct_plan,
                                      options=GatherRSOptions(), routing_maps=maps) == "direct"
+
+
+@pytest.mark.parametrize("triton,mode,gathered", [(True, "prereduce", True),
+                                                  (True, "direct", False),
+                                                  (False, "prereduce", False)])
+def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypatch, triton,
+                                                                      mode, gathered):
+    """`prepare_combine`'s logic alone (the dispatcher's collaborators stubbed): the
+    routing-map all-gather, a collective, runs iff the Triton path runs and the plan chose
+    the pre-reduced mode; the reference path is planned without a mode choice."""
+    import types
+
+    import torch
+
+    pytest.importorskip("megatron.core")
+    from megatron_overlap.megatron import dispatcher as d
+
+    seen = {}
+
+    def plan(meta, options, **kwargs):
+        seen["planned_prereduce"] = options.prereduce
+        return types.SimpleNamespace(mode=mode)
+
+    def gather(routing_map, group, sizes):
+        seen["gather_sizes"] = sizes
+        return ["maps"]
+
+    def prepare(h_like, w2, meta, *, group, options, plan, routing_maps):
+        seen["maps"] = routing_maps
+        return types.SimpleNamespace(MODE="prereduce" if routing_maps else "v4")
+
+    monkeypatch.setattr(d, "plan_gemm2_gatherrs", plan)
+    monkeypatch.setattr(d, "gather_routing_maps", gather)
+    monkeypatch.setattr(d, "prepare_gemm2_gatherrs", prepare)
+    options = GatherRSOptions()
+    counts = np.array([[2, 2, 0], [1, 3, 0]])  # [R, E + EP]: top-2, 2 tokens per rank
+    fake = types.SimpleNamespace(
+        metadata=types.SimpleNamespace(group_size=2), _num_sms=132, ep_rank=0, tp_rank=0,
+        tp_size=1, ep_size=1, _counts=counts, _triton=triton, options=options,
+        _direct_options=GatherRSOptions(prereduce=False), num_plans=0, tp_ep_group=None,
+        config=types.SimpleNamespace(moe_expert_capacity_factor=None, moe_router_topk=2),
+        routing_map=torch.zeros(2, 2, dtype=torch.bool))
+    d.GatherRSAlltoAllTokenDispatcher.prepare_combine(fake, torch.zeros(1, 4),
+                                                      torch.zeros(2, 8, 4))
+    assert seen["planned_prereduce"] == ("auto" if triton else False)
+    assert ("gather_sizes" in seen) == gathered
+    assert seen["maps"] == (["maps"] if gathered else None)
+    if gathered:
+        assert seen["gather_sizes"] == [2, 2]  # from the exchanged counts: no host sync
+    assert fake.last_combine == ("prereduced" if gathered else "direct")

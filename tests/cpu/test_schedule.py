@@ -103,9 +103,23 @@ def test_report_table_and_plot(tmp_path):
     expected = ("| m | 4096 | ep2 | 1.000 | 2.000 | 1.600 | 1.250 | 1.100 | 1.000 | 1.60 | 1.28 | "
                 "1.25 | 0.91 | - | - |")
     assert expected in text, text
+    # with both modes timed: the auto column takes the resource manager's mode (auto_mode)
+    extra = [dict(model="m", tokens_per_rank=4096, layout="ep2", provider=p, p50_ms=ms,
+                  auto_mode="prereduce")
+             for p, ms in [("ours_prepared", 1.2), ("ours_prereduced", 1.0), ("ours_auto", 1.0)]]
+    path.write_text("\n".join(json.dumps(r) for r in rows + extra))
+    text = report.table(report.load_rows(str(path)))
+    assert "| - | - | 1.200 | 1.000 | prereduce | 2.00 | 1.60 | 1.00 |" in text, text
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(empty)])
+    assert exit_info.value.code == 2
     pytest.importorskip("matplotlib")
     report.plot(rows, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+    assert report.main([str(path), "--plot", str(tmp_path / "new" / "q.png")]) == 0
+    assert (tmp_path / "new" / "q.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1), (2, 2)])
