@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -332,6 +333,97 @@ double bench_solve(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_lin
 
 }  // namespace
 
+// The combine mode (resource/mode.py): predicted time of the slowest rank in the direct and
+// the pre-reduced mode, and which rank that is. The same loops and double operations, in
+// the same order, as model.mode_times (bit-identical results).
+py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, int64_t hidden,
+                     int64_t elem, int64_t g, int64_t tau, int64_t bm, int64_t bn,
+                     double b_link, double b_hbm) {
+  check_range("tp_size", tp, 1, int64_t(1) << 16);
+  check_range("ep_size", ep, 1, int64_t(1) << 16);
+  const int64_t r = tp * ep;
+  const char kind = counts_in.dtype().kind();
+  if (counts_in.ndim() != 2 || counts_in.shape(0) != r || (kind != 'i' && kind != 'u') ||
+      counts_in.shape(1) < ep || counts_in.shape(1) % ep != 0) {
+    fail("routed_counts must be an integer [TP * EP = " + std::to_string(r) +
+         ", E] array with E divisible by EP = " + std::to_string(ep));
+  }
+  check_range("topk", topk, 1, int64_t(1) << 20);
+  check_range("hidden", hidden, 1, int64_t(1) << 30);
+  check_range("elem_bytes", elem, 1, 16);
+  check_range("num_ctas", g, 1, kMaxCtas);
+  check_range("tile_ps", tau, 1, kMaxTimePs);
+  check_range("bm", bm, 1, int64_t(1) << 20);
+  check_range("bn", bn, 1, int64_t(1) << 20);
+  check_float("link_bandwidth_gbps", b_link, 1e-9);
+  check_float("hbm_bandwidth_gbps", b_hbm, 1e-9);
+  auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(counts_in);
+  auto c = counts.unchecked<2>();
+  const int64_t num_experts = counts.shape(1), num_local = num_experts / ep;
+  for (int64_t d = 0; d < r; ++d) {
+    for (int64_t e = 0; e < num_experts; ++e) {
+      if (c(d, e) < 0) fail("routed_counts has a negative count " + std::to_string(c(d, e)));
+      if (c(d, e) > kMaxTiles * bm) fail("routed_counts: count too large");
+    }
+  }
+  const int64_t col_blocks = cdiv(hidden, bn);
+  const int64_t k = std::min(topk, num_experts);
+  double p_none = 0.0;
+  if (ep > 1 && num_experts - num_local >= k) {
+    p_none = 1.0;
+    for (int64_t i = 0; i < k; ++i) {
+      p_none *= double(num_experts - num_local - i) / double(num_experts - i);
+    }
+  }
+  const double p_any = 1.0 - p_none;
+  const double row_link = double(hidden) * double(elem) / (b_link * 1e3);
+  const double row_hbm = double(hidden) * double(elem) / (b_hbm * 1e3);
+  const double tau_us = double(tau) / double(1000000);
+  std::vector<int64_t> tokens(r), pairs(r), rows_to(r * ep), tiles_to(r * ep);
+  for (int64_t d = 0; d < r; ++d) {
+    int64_t sum = 0;
+    for (int64_t j = 0; j < ep; ++j) {
+      int64_t rows = 0, blocks = 0;
+      for (int64_t e = j * num_local; e < (j + 1) * num_local; ++e) {
+        rows += c(d, e);
+        blocks += cdiv(c(d, e), bm);
+      }
+      rows_to[d * ep + j] = rows;
+      tiles_to[d * ep + j] = blocks * col_blocks;
+      sum += rows;
+    }
+    pairs[d] = sum;
+    tokens[d] = cdiv(sum, topk);
+  }
+  double best[2] = {-1.0, -1.0};
+  int64_t slowest[2] = {0, 0};
+  for (int64_t q = 0; q < r; ++q) {
+    const int64_t j = q / tp;
+    int64_t rows_q = 0, tiles_q = 0;
+    for (int64_t d = 0; d < r; ++d) {
+      rows_q += rows_to[d * ep + j];
+      tiles_q += tiles_to[d * ep + j];
+    }
+    const double waves_us = double(cdiv(tiles_q, g)) * tau_us;
+    const double direct = std::max(waves_us, double(rows_q - rows_to[q * ep + j]) * row_link) +
+                          double(pairs[q] * tp + tokens[q]) * row_hbm;
+    double pre_rows = 0.0;
+    for (int64_t d = 0; d < r; ++d) {
+      if (d != q) pre_rows += std::min(double(rows_to[d * ep + j]), double(tokens[d]) * p_any);
+    }
+    const double pre = waves_us + double(rows_q) * row_hbm + pre_rows * row_link +
+                       double((r + 1) * tokens[q]) * row_hbm;
+    const double t[2] = {direct, pre};
+    for (int m = 0; m < 2; ++m) {
+      if (t[m] > best[m]) {
+        best[m] = t[m];
+        slowest[m] = q;
+      }
+    }
+  }
+  return py::make_tuple(best[0], best[1], slowest[0], slowest[1]);
+}
+
 PYBIND11_MODULE(_solver, m) {
   m.doc() = "C++ solver of the wave-quantized resource model (see resource/model.py)";
   m.def("ctas_per_sm", &ctas_per_sm, py::arg("registers_per_thread"), py::arg("shared_bytes"),
@@ -352,6 +444,10 @@ PYBIND11_MODULE(_solver, m) {
   m.def("solve", &solve, py::arg("g"), py::arg("tr"), py::arg("tl"), py::arg("tau"),
         py::arg("c_link"), py::arg("c_cta"));
   m.def("solve_batch", &solve_batch, py::arg("problems"));
+  m.def("mode_times", &mode_times, py::arg("routed_counts"), py::arg("tp_size"),
+        py::arg("ep_size"), py::arg("topk"), py::arg("hidden"), py::arg("elem_bytes"),
+        py::arg("num_ctas"), py::arg("tile_ps"), py::arg("bm"), py::arg("bn"),
+        py::arg("link_bandwidth_gbps"), py::arg("hbm_bandwidth_gbps"));
   m.def("bench_solve", &bench_solve, py::arg("g"), py::arg("tr"), py::arg("tl"),
         py::arg("tau"), py::arg("c_link"), py::arg("c_cta"), py::arg("iters"));
 }

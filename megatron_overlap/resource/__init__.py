@@ -328,7 +328,8 @@ def plan_gemm2_gatherrs(
         choice = choose_mode(
             meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size, topk=meta.topk,
             hidden=hidden, elem_bytes=elem_bytes, grid=num_sms * ref_ctas, tile_ps=tau_ref_ps,
-            tile=tile, link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps)
+            tile=tile, link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps,
+            solver=solver)
         mode = choice.mode
     return Plan(num_comm_ctas=k, num_ctas=grid, source=source, predicted_us=predicted,
                 breakdown=breakdown, mode=mode, mode_choice=choice)

@@ -21,26 +21,23 @@ rank q (all times in microseconds):
              + pre_rows_q x H x e / B_link            (one row per token and destination)
              + (R + 1) x T_q x H x e / B_hbm          (finalize reads R slots per token)
 
-pre_rows_q to
-destination d is min(rows q computes for d, T_d x (1 - C(E - L, k) / C(E, k))): the
-expected number of d's tokens with at least one of their k experts among q's L (uniform
-routing; all of them with EP = 1). The op ends with its slowest rank: the mode with the
-smaller max over q is chosen.
+pre_rows_q to destination d is min(rows q computes for d, T_d x p) with
+p = 1 - C(E - L, k) / C(E, k): the expected number of d's tokens with at least one of their
+k experts among q's L (uniform routing; all of them with EP = 1). The op ends with its
+slowest rank: the mode with the smaller max over q is chosen.
 
 Every input comes from the group-wide routed counts that every rank holds alike (the
-dispatcher all-gathers them; `GatherRSMetadata.routed_counts`), so every rank of the group
-makes the same choice: the two modes issue different collectives and must not be mixed.
+dispatcher all-gathers them; `GatherRSMetadata.routed_counts`), the shapes and the profile,
+so every rank of the group makes the same choice: the two modes issue different collectives
+and must not be mixed. The arithmetic is `mode_times`, in C++ (`csrc/solver.cpp`) with a
+bit-identical Python twin (`resource.model.mode_times`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
-import numpy as np
-
-from megatron_overlap.resource import model as _model
 
 MODES = ("direct", "prereduce")
 
@@ -62,15 +59,9 @@ class ModeChoice:
     slowest_rank: int
 
 
-def _tokens(routed: np.ndarray, topk: int) -> np.ndarray:
-    """Every rank's token count from its routed (token, expert) pairs (exact when dropless;
-    a lower bound otherwise, which only matters for the prediction)."""
-    return -(-routed.sum(axis=1) // topk)
-
-
 def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden: int,
                 elem_bytes: int, grid: int, tile_ps: int, tile: Tuple[int, int, int],
-                link_gbps: float, hbm_gbps: float) -> ModeChoice:
+                link_gbps: float, hbm_gbps: float, solver: Optional[str] = None) -> ModeChoice:
     """Predict both modes from the group's routed counts; choose the faster.
 
     Args:
@@ -80,63 +71,26 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
         topk: the router's top-k.
         hidden: H; elem_bytes: bytes per element of the rows that travel.
         grid: G, CTAs of the fused GEMM2 kernel; tile_ps: tau, one tile's time with all G
-            CTAs busy, in picoseconds (`resource.model.make_problem`); tile: (BM, BN, BK).
+            CTAs busy, in picoseconds; tile: (BM, BN, BK).
         link_gbps, hbm_gbps: B_link and B_hbm of the profile (GB/s).
+        solver: "cpp", "python" or None (`resource.solver.implementation`): the C++
+            `mode_times` (a few us) or its Python twin (`resource.model.mode_times`), which give
+            bit-identical times.
 
     Returns:
         A `ModeChoice`; "direct" on ties and with one rank.
 
     Raises:
         ValueError: routed_counts not an integer [TP * EP, E] array with E divisible by EP,
-            or a size out of range.
+            a negative count, or a size out of range.
     """
-    counts = np.asarray(routed_counts)
-    r = tp_size * ep_size
-    if (counts.ndim != 2 or counts.shape[0] != r or not np.issubdtype(counts.dtype, np.integer)
-            or counts.shape[1] < ep_size or counts.shape[1] % ep_size):
-        raise ValueError(f"routed_counts must be an integer [TP * EP = {r}, E] array with E "
-                         f"divisible by EP = {ep_size}, got shape {counts.shape} "
-                         f"dtype {counts.dtype}")
-    if counts.size and int(counts.min()) < 0:
-        raise ValueError(f"routed_counts has a negative count {int(counts.min())}")
-    for name, value in (("topk", topk), ("hidden", hidden), ("elem_bytes", elem_bytes),
-                        ("grid", grid), ("tile_ps", tile_ps)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name}={value!r}: expected an int >= 1")
-    if not (link_gbps > 0 and hbm_gbps > 0):
-        raise ValueError(f"bandwidths must be > 0 GB/s, got link {link_gbps}, HBM {hbm_gbps}")
-    if r == 1:
-        return ModeChoice("direct", 0.0, 0.0, 0)
-    num_experts = counts.shape[1]
-    num_local = num_experts // ep_size
-    bm, bn, _ = tile
-    counts = counts.astype(np.int64)
-    tokens = _tokens(counts, topk)  # [R]
-    row_us_link = hidden * elem_bytes / (link_gbps * 1e3)  # one row over the link, in us
-    row_us_hbm = hidden * elem_bytes / (hbm_gbps * 1e3)
-    k = min(topk, num_experts)
-    if ep_size > 1 and num_experts - num_local >= k:
-        p_any = 1.0 - math.comb(num_experts - num_local, k) / math.comb(num_experts, k)
-    else:
-        p_any = 1.0
-    # Group rank q = ep * TP + tp computes the rows of EP slice j = q // TP for every source
-    # d (its F / TP share): per (d, j), rows and tiles (ceil(rows / BM) x ceil(H / BN) per
-    # (expert, source) block, as `resource.model.count_tiles`).
-    per_slice = counts.reshape(r, ep_size, num_local)
-    rows_to = per_slice.sum(axis=2)  # [R sources, EP slices]
-    tiles = (-(-per_slice // bm)).sum(axis=2) * -(-hidden // bn)
-    q = np.arange(r)
-    j = q // tp_size
-    rows_q = rows_to[:, j].sum(axis=0)  # [R]: rows rank q computes
-    remote_rows = rows_q - rows_to[q, j]
-    waves_us = -(-tiles[:, j].sum(axis=0) // grid) * (tile_ps / _model.PS_PER_US)
-    direct = (np.maximum(waves_us, remote_rows * row_us_link)
-              + (counts.sum(axis=1) * tp_size + tokens) * row_us_hbm)
-    pre_to = np.minimum(rows_to[:, j], tokens[:, None] * p_any)  # [d, q]
-    pre_to[q, q] = 0.0  # a rank's own tokens do not travel
-    pre = (waves_us + rows_q * row_us_hbm + pre_to.sum(axis=0) * row_us_link
-           + (r + 1) * tokens * row_us_hbm)
-    d_max, p_max = float(direct.max()), float(pre.max())
-    mode = "prereduce" if p_max < d_max else "direct"
-    times = pre if mode == "prereduce" else direct
-    return ModeChoice(mode, d_max, p_max, int(np.argmax(times)))
+    from megatron_overlap.resource.solver import implementation
+
+    direct, pre, slow_d, slow_p = implementation(solver).mode_times(
+        routed_counts, tp_size, ep_size, topk, hidden, elem_bytes, grid, tile_ps, tile[0],
+        tile[1], link_gbps, hbm_gbps)
+    if tp_size * ep_size == 1:
+        return ModeChoice("direct", direct, pre, 0)
+    if pre < direct:
+        return ModeChoice("prereduce", direct, pre, int(slow_p))
+    return ModeChoice("direct", direct, pre, int(slow_d))

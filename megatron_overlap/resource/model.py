@@ -294,3 +294,82 @@ def solve_batch(problems) -> np.ndarray:
     for i, row in enumerate(arr.tolist()):
         out[i] = solve(*row)
     return out
+
+
+# ---- the combine mode (resource.mode) -------------------------------------------------------
+
+def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int,
+               elem_bytes: int, num_ctas: int, tile_ps: int, bm: int, bn: int,
+               link_bandwidth_gbps: float, hbm_bandwidth_gbps: float) -> Tuple[float, ...]:
+    """Predicted time of the slowest rank in the direct and the pre-reduced mode
+    (microseconds), and which group rank that is in each: (direct_us, prereduce_us,
+    slowest_direct, slowest_prereduce). The formulas: `resource.mode`. Plain loops in one
+    fixed order of double operations, which `csrc/solver.cpp` repeats (bit-identical).
+
+    Args:
+        routed_counts: int [R, E] (R = TP * EP; row g = ep * TP + tp): tokens of rank g
+            routed to expert e.
+        tile_ps: tau, one tile's time at the profile's calibrated occupancy; num_ctas: G.
+
+    Raises:
+        ValueError: not an integer [TP * EP, E] array with E divisible by EP, a negative
+            count, or a size out of range (names it).
+    """
+    counts = np.asarray(routed_counts)
+    tp = _int("tp_size", tp_size, 1, 1 << 16)
+    ep = _int("ep_size", ep_size, 1, 1 << 16)
+    r = tp * ep
+    if (counts.ndim != 2 or counts.shape[0] != r or not np.issubdtype(counts.dtype, np.integer)
+            or counts.shape[1] < ep or counts.shape[1] % ep):
+        raise ValueError(f"routed_counts must be an integer [TP * EP = {r}, E] array with E "
+                         f"divisible by EP = {ep}, got shape {counts.shape} dtype {counts.dtype}")
+    topk = _int("topk", topk, 1, 1 << 20)
+    hidden = _int("hidden", hidden, 1, 1 << 30)
+    elem = _int("elem_bytes", elem_bytes, 1, 16)
+    g = _int("num_ctas", num_ctas, 1, MAX_CTAS)
+    tau = _int("tile_ps", tile_ps, 1, MAX_TIME_PS)
+    bm, bn = _int("bm", bm, 1, 1 << 20), _int("bn", bn, 1, 1 << 20)
+    b_link = _float("link_bandwidth_gbps", link_bandwidth_gbps, 1e-9)
+    b_hbm = _float("hbm_bandwidth_gbps", hbm_bandwidth_gbps, 1e-9)
+    rows = [[int(x) for x in row] for row in counts.tolist()]
+    if any(x < 0 for row in rows for x in row):
+        raise ValueError(f"routed_counts has a negative count {int(counts.min())}")
+    if any(x > MAX_TILES * bm for row in rows for x in row):
+        raise ValueError("routed_counts: count too large")
+    num_experts = counts.shape[1]
+    num_local = num_experts // ep
+    col_blocks = _cdiv(hidden, bn)
+    k = min(topk, num_experts)
+    p_none = 0.0
+    if ep > 1 and num_experts - num_local >= k:
+        p_none = 1.0
+        for i in range(k):  # C(E - L, k) / C(E, k) as a product, in this order
+            p_none *= float(num_experts - num_local - i) / float(num_experts - i)
+    p_any = 1.0 - p_none
+    row_link = float(hidden) * float(elem) / (b_link * 1e3)  # one row over the link, us
+    row_hbm = float(hidden) * float(elem) / (b_hbm * 1e3)
+    tau_us = float(tau) / float(PS_PER_US)
+    tokens = [_cdiv(sum(row), topk) for row in rows]
+    # rows and tiles of source d for EP slice j
+    rows_to = [[sum(row[j * num_local:(j + 1) * num_local]) for j in range(ep)] for row in rows]
+    tiles_to = [[sum(_cdiv(x, bm) for x in row[j * num_local:(j + 1) * num_local]) * col_blocks
+                 for j in range(ep)] for row in rows]
+    best = [-1.0, -1.0]
+    slowest = [0, 0]
+    for q in range(r):
+        j = q // tp
+        rows_q = sum(rows_to[d][j] for d in range(r))
+        tiles_q = sum(tiles_to[d][j] for d in range(r))
+        waves_us = float(_cdiv(tiles_q, g)) * tau_us
+        direct = (max(waves_us, float(rows_q - rows_to[q][j]) * row_link)
+                  + float(sum(rows[q]) * tp + tokens[q]) * row_hbm)
+        pre_rows = 0.0
+        for d in range(r):
+            if d != q:
+                pre_rows += min(float(rows_to[d][j]), float(tokens[d]) * p_any)
+        pre = (waves_us + float(rows_q) * row_hbm + pre_rows * row_link
+               + float((r + 1) * tokens[q]) * row_hbm)
+        for m, t in ((0, direct), (1, pre)):
+            if t > best[m]:
+                best[m], slowest[m] = t, q
+    return best[0], best[1], slowest[0], slowest[1]

@@ -18,6 +18,7 @@ from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions, prereduce_arg
 from megatron_overlap.models import load_model_shape
 from megatron_overlap.resource import load_profile, plan_gemm2_gatherrs
+from megatron_overlap.resource import solver
 from megatron_overlap.resource.mode import choose_mode
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
@@ -134,7 +135,7 @@ def _loop_reference(counts, tp, ep, topk, hidden, grid, tau_us, link, hbm):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_vectorised_formulas_match_a_per_rank_loop(seed):
+def test_formulas_match_a_per_rank_loop(seed):
     rng = np.random.default_rng(seed)
     tp, ep = [(1, 2), (2, 1), (2, 2), (1, 8), (4, 2), (8, 1)][seed]
     num_experts = ep * int(rng.integers(1, 9))
@@ -187,8 +188,11 @@ def test_matches_the_measured_faster_mode():
     assert not wrong, wrong
 
 
-def test_bad_counts_are_named():
-    kwargs = dict(tp_size=1, ep_size=2, topk=2, hidden=64, elem_bytes=2, grid=4,
+@pytest.mark.parametrize("impl", ["cpp", "python"])
+def test_bad_counts_are_named(impl):
+    if impl == "cpp" and solver.cpp_module() is None:
+        pytest.skip("C++ solver not built")
+    kwargs = dict(solver=impl, tp_size=1, ep_size=2, topk=2, hidden=64, elem_bytes=2, grid=4,
                   tile_ps=1000, tile=(128, 256, 64), link_gbps=300.0, hbm_gbps=4000.0)
     with pytest.raises(ValueError, match="routed_counts must be an integer"):
         choose_mode(np.zeros((3, 4), dtype=np.int64), **kwargs)  # 3 rows for R = 2
@@ -196,9 +200,9 @@ def test_bad_counts_are_named():
         choose_mode(np.zeros((2, 3), dtype=np.int64), **kwargs)  # E = 3, EP = 2
     with pytest.raises(ValueError, match="negative count"):
         choose_mode(np.array([[1, -1], [0, 0]]), **kwargs)
-    with pytest.raises(ValueError, match="grid=0"):
+    with pytest.raises(ValueError, match="num_ctas=0"):
         choose_mode(np.zeros((2, 4), dtype=np.int64), **{**kwargs, "grid": 0})
-    with pytest.raises(ValueError, match="bandwidths"):
+    with pytest.raises(ValueError, match="link_bandwidth_gbps"):
         choose_mode(np.zeros((2, 4), dtype=np.int64), **{**kwargs, "link_gbps": 0.0})
 
 
@@ -317,3 +321,25 @@ def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypat
     if gathered:
         assert seen["gather_sizes"] == [2, 2]  # from the exchanged counts: no host sync
     assert fake.last_combine == ("prereduced" if gathered else "direct")
+
+
+def test_cpp_and_python_mode_times_are_bit_identical():
+    """`csrc/solver.cpp: mode_times` against its twin `resource.model.mode_times` on random
+    groups (every rank must choose alike, and ranks run the same implementation; the two are
+    also kept identical so that the choice does not depend on whether the C++ is built)."""
+    cpp = solver.cpp_module()
+    if cpp is None:
+        pytest.skip("C++ solver not built")
+    from megatron_overlap.resource import model as twin
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        tp, ep = [(1, 2), (2, 1), (2, 2), (1, 8), (4, 2), (8, 1), (1, 1), (2, 8)][
+            int(rng.integers(0, 8))]
+        num_experts = ep * int(rng.integers(1, 17))
+        counts = rng.integers(0, int(rng.choice([3, 300, 30000])), size=(tp * ep, num_experts))
+        args = (counts, tp, ep, int(rng.integers(1, num_experts + 1)),
+                int(rng.choice([32, 2048, 7168])), 2, int(rng.integers(1, 400)),
+                int(rng.integers(1, 1 << 31)), 128, int(rng.choice([64, 256])),
+                float(rng.uniform(1, 900)), float(rng.uniform(500, 5000)))
+        assert cpp.mode_times(*args) == twin.mode_times(*args), args
