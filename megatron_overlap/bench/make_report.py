@@ -34,6 +34,9 @@ Common fields:
   grouped GEMM implementation or loop, FC2 weight view or stack), moe_gatherrs_overlap
   (bool), backend_requested, backend ("triton" | "reference" for "on", "megatron-alltoall"
   otherwise), fused_calls (fused-op launches in the timed forwards; 0 for baselines),
+  combine_mode (layer) / combine_modes (prefill; a list over the MoE layers): what the
+  flag-on variant's last combine ran, "direct" | "prereduced" | "reference" (absent in
+  rows from before v4.4), prereduce (the run's setting: true | false | "auto"),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   speedup_over_on (t_variant / t_on, p50), memory in bytes per rank (max over ranks; None on
@@ -236,7 +239,8 @@ def workload_table(groups: dict, benchmark: str) -> str:
     header = ["model", "layout"] + (["layers"] if benchmark == "prefill" else []) + [
         "seq", "ms on"]
     header += [f"ms {b}" for b in bases] + [f"{b} / on" for b in bases]
-    header += ["own peak GiB on / off", "extra mem vs off", "agree", "backend (requested)"]
+    header += ["own peak GiB on / off", "extra mem vs off", "agree",
+               "backend, combine mode (requested backend)"]
     lines = []
     for (model, layout, layers, seq, backend), g in groups.items():
         on = g.get("on")
@@ -252,7 +256,12 @@ def workload_table(groups: dict, benchmark: str) -> str:
         cells.append(_fmt(memory_extra(g), "+.1%"))
         agree = all(r.get("agree", False) for r in g.values())
         cells.append("yes" if agree else "NO")
-        cells.append(f"{on['backend'] if on else '-'} ({backend})")
+        ran = "-"
+        if on:  # the combine mode(s) the flag-on variant ran, where the rows say
+            modes = on.get("combine_modes") or ([on["combine_mode"]]
+                                                if on.get("combine_mode") else [])
+            ran = on["backend"] + "".join(f", {m}" for m in modes if m != "reference")
+        cells.append(f"{ran} ({backend})")
         lines.append(cells)
     return _table(header, lines)
 

@@ -40,7 +40,8 @@ def _layer_rows():
     # fine-grained: on 10 ms; off-grouped 15 and 12 ms -> 1.5x, 1.2x (geomean sqrt(1.8))
     for model, grouped in (("qwen3-30b-a3b", 15.0), ("deepseek-v2-lite", 12.0)):
         rows += [
-            _row("layer", model, "tp1/ep2/dp2/sp0", 4096, "on", 10.0, own=105),
+            _row("layer", model, "tp1/ep2/dp2/sp0", 4096, "on", 10.0, own=105,
+                 combine_mode="prereduced" if model == "qwen3-30b-a3b" else "direct"),
             _row("layer", model, "tp1/ep2/dp2/sp0", 4096, "off", 20.0, own=100),
             _row("layer", model, "tp1/ep2/dp2/sp0", 4096, "off-grouped", grouped, own=100,
                  skipped_baselines={"off-te": "synthetic: no TE"}),
@@ -119,6 +120,10 @@ def test_report_file_sections_and_plots(tmp_path):
         assert heading in text, heading
     assert "| fine-grained | all | off-grouped | 2 | 1.342 | 1.200 | 0 |" in text
     assert "`off-te` was not run: synthetic: no TE." in text
+    # what the flag-on variant ran, per workload (rows from before v4.4 have no mode)
+    assert "| yes | triton, prereduced (auto) |" in text
+    assert "| yes | triton, direct (auto) |" in text
+    assert "| yes | triton (auto) |" in text
     assert "cmd-layer" in text and "cmd-prefill" in text
     assert f"make_report {data} --out {out}" in text
     assert SYNTHETIC_GPU in text
