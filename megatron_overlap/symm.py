@@ -251,8 +251,9 @@ class GatherRSWorkspace:
             RuntimeError: names this rank, the rank waited for, the count seen and the count
                 expected: a finalize that waited for a sender's arrivals, or a GEMM2
                 producer or a pre-reduced send that waited for a destination's finalize
-                count (its receive buffer still in use). The workspace is unusable
-                afterwards (counters are out of step across ranks).
+                count (its receive buffer still in use). The ranks' counters are out of
+                step afterwards: later calls on the workspace are likely to time out too
+                (they are not blocked); destroy and rebuild the workspaces on every rank.
         """
         if self._destroyed:
             return
@@ -284,8 +285,10 @@ class GatherRSWorkspace:
                     f"{seen}, expected >= {expected}")
         raise RuntimeError(
             f"gemm2_gatherrs (Triton) on tp_ep rank {self.rank}: {what} (error code {code}; "
-            f"epoch {self.epoch}). The workspace is unusable now; counters are out of step "
-            "across ranks."
+            f"epoch {self.epoch}). The ranks' counters are out of step now: later calls on "
+            "this workspace are likely to time out too (it is not blocked, so that every "
+            "rank's report surfaces); destroy the workspaces on every rank "
+            "(symm.destroy_workspaces) and build new ones."
         )
 
     def destroy(self) -> None:
