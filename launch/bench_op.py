@@ -242,13 +242,11 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
         results["ours"] = timed(lambda: gemm2_gatherrs(h, w2, meta, group=group, options=opts),
                                 args.warmup, args.iters)
-        from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+        from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, compiled_resources
         from megatron_overlap.resource import plan_gemm2_gatherrs
         from megatron_overlap.symm import get_workspace
 
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        from megatron_overlap.ops.triton_gemm2_gatherrs import compiled_resources
-
         # The plan as the op makes it (k from the model; mode: GatherRSOptions' default "auto").
         # The timed direct / pre-reduced calls below use its grid and k; auto_mode records
         # which of the two the resource manager would run.

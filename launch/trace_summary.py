@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections import defaultdict
+
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
+    # run from a checkout without `pip install`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_overlap.bench.cli import non_negative_float, positive_int  # noqa: E402
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -100,32 +108,12 @@ def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _non_negative_us(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected microseconds >= 0") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected finite microseconds >= 0")
-    return value
-
-
-def _positive_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="chrome trace JSON files")
-    parser.add_argument("--gap-us", type=_non_negative_us, default=30.0,
+    parser.add_argument("--gap-us", type=non_negative_float, default=30.0,
                         help="report device idle gaps longer than this (default 30 us)")
-    parser.add_argument("--top", type=_positive_count, default=12,
+    parser.add_argument("--top", type=positive_int, default=12,
                         help="kernels listed (default 12)")
     args = parser.parse_args(argv)
     for path in args.traces:

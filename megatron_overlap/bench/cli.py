@@ -36,7 +36,7 @@ def non_negative_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number >= 0") from None
     if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected finite number >= 0")
     return value
 
 

@@ -23,7 +23,7 @@ from typing import Optional, Tuple, Union
 from megatron_overlap.config import GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
 from megatron_overlap.resource import model as _model
-from megatron_overlap.resource.mode import MODES, ModeChoice, choose_mode
+from megatron_overlap.resource.mode import ModeChoice, choose_mode
 from megatron_overlap.resource.profile import HardwareProfile, load_profile
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "DEFAULT_TILE",
     "HardwareProfile",
     "KernelResources",
-    "MODES",
     "ModeChoice",
     "Plan",
     "PlanBreakdown",

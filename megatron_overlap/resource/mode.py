@@ -39,9 +39,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
-MODES = ("direct", "prereduce")
-
-
 @dataclass(frozen=True)
 class ModeChoice:
     """The combine mode of one call and the two predictions behind it.
