@@ -58,6 +58,7 @@ import dataclasses
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Union
 
@@ -93,6 +94,7 @@ from megatron_overlap.bench.measure import (
     param_bytes,
     percentile,
     reduce_max,
+    sync,
     symm_workspace_bytes,
 )
 
@@ -178,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after timing each workload, profile one forward of 'on' and "
                              "'off-grouped' (torch.profiler, CPU + CUDA) and print rank 0's "
                              "top operators and kernels: where the layer's time goes")
+    parser.add_argument("--host-breakdown", action="store_true",
+                        help="after timing each workload, run --iters more forwards of every "
+                             "variant with host timers on the layer's, dispatcher's and "
+                             "experts' stages (and the flag-on 'mo.*' stages) and print rank "
+                             "0's host microseconds per stage (also in the rows, "
+                             "host_breakdown_us): where a host-bound forward's time goes")
     parser.add_argument("--trace-dir", default="",
                         help="with --profile: rank 0 also writes each profiled forward as a "
                              "chrome trace <model>_<layout>_<seq>_<variant>.json here (host "
@@ -204,6 +212,7 @@ class RunConfig:
     profile: bool = False
     trace_dir: str = ""
     prereduce: Union[bool, str] = "auto"
+    host_breakdown: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -254,6 +263,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         world_size=world_size,
         profile=args.profile,
         trace_dir=args.trace_dir,
+        host_breakdown=args.host_breakdown,
     )
 
 
@@ -486,6 +496,7 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
     symm = symm_workspace_bytes() if cuda else 0
     return {
         "ms": {name: reduce_max(timers[name].times_ms(), device) for name in names},
+        "host_ms": {name: reduce_max(timers[name].host_ms, device) for name in names},
         "errors": errors,
         "fused_calls": calls,
         # "direct" / "prereduced" / "reference": what the flag-on layer's last combine ran
@@ -498,6 +509,88 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
         "symm_workspace_bytes": rank_max({n: (symm if n == "on" else 0) if cuda else None
                                           for n in names}),
     }
+
+
+HOST_STAGES = {
+    "": ("route", "preprocess", "dispatch", "routed_experts_compute", "combine", "postprocess"),
+    "token_dispatcher": ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
+                         "combine_preprocess", "token_combine", "combine_postprocess",
+                         "prepare_combine", "gemm2_gatherrs_combine"),
+    "experts": ("forward", "forward_fc1"),
+}
+"""Methods timed by `host_breakdown`: {attribute of the layer ("" = the layer): names}."""
+
+
+def host_breakdown(layers: dict, x: torch.Tensor, device: torch.device, iters: int) -> dict:
+    """Host microseconds per stage of one forward, per variant: {variant: {stage: us}}.
+
+    Runs `iters` forwards of each variant, each after the ranks line up (as the timing
+    does), with the `HOST_STAGES` methods of the layer instance wrapped in host timers
+    (instance attributes, removed afterwards) and `megatron_overlap.profiling.host_times`
+    on (the flag-on 'mo.*' spans). Stage names: "layer.<method>", "token_dispatcher.<m>",
+    "experts.<m>", "mo.<span>"; each value is the stage's mean host time per forward (a
+    stage entered twice in a forward counts both); "forward" is the median host time of
+    the whole call. No device sync inside a forward, so a stage's time is its enqueue time
+    plus any host sync it makes. Max over ranks."""
+    from megatron_overlap.profiling import host_times, span
+
+    out = {}
+    with torch.inference_mode():
+        for name, layer in layers.items():
+            patched = []
+            for attr, methods in HOST_STAGES.items():
+                owner = getattr(layer, attr) if attr else layer
+                if owner is None:
+                    continue
+                for method in methods:
+                    fn = getattr(owner, method, None)
+                    if fn is None:
+                        continue
+
+                    def timed(*args, _fn=fn, _name=f"{attr or 'layer'}.{method}", **kwargs):
+                        with span(_name):
+                            return _fn(*args, **kwargs)
+
+                    patched.append((owner, method, owner.__dict__.get(method)))
+                    setattr(owner, method, timed)
+            forward = []
+            try:
+                with host_times() as times:
+                    for _ in range(iters):
+                        sync(device)
+                        t0 = time.perf_counter()
+                        layer(x)
+                        forward.append(time.perf_counter() - t0)
+                    sync(device)
+            finally:
+                for owner, method, own in reversed(patched):
+                    if own is None:
+                        delattr(owner, method)
+                    else:
+                        setattr(owner, method, own)
+            stages = {"forward": percentile(forward, 50) * 1e6}
+            stages.update({k: sum(v) / iters * 1e6 for k, v in sorted(times.items())})
+            out[name] = stages
+    # max over ranks, stage by stage (every rank has the same stage names per variant)
+    for name in out:
+        keys = sorted(out[name])
+        for key, v in zip(keys, reduce_max([out[name][k] for k in keys], device)):
+            out[name][key] = v
+    return out
+
+
+def breakdown_table(breakdown: dict, title: str) -> str:
+    """`host_breakdown`'s result as text: one line per stage, one column per variant (us)."""
+    names = list(breakdown)
+    stages = ["forward"] + sorted({s for v in breakdown.values() for s in v} - {"forward"})
+    width = max(len(s) for s in stages)
+    lines = [f"== host us per forward {title} (max over ranks)",
+             " " * width + "".join(f"{n:>14}" for n in names)]
+    for stage in stages:
+        cells = "".join(f"{breakdown[n][stage]:14.1f}" if stage in breakdown[n]
+                        else f"{'-':>14}" for n in names)
+        lines.append(f"{stage:<{width}}{cells}")
+    return "\n".join(lines)
 
 
 def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title: str,
@@ -613,6 +706,8 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "ms_p80": percentile(times, 80),
             "ms_mean": statistics.fmean(times),
             "ms_all": times,
+            "host_ms_p50": percentile(result["host_ms"][name], 50),
+            "host_breakdown_us": result.get("host_breakdown_us", {}).get(name),
             "tokens_per_s": seq * info["dp"] / (p50[name] / 1e3),
             "speedup_over_on": p50[name] / p50["on"],
             "param_bytes": result["param_bytes"][name],
@@ -703,6 +798,12 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
             for seq in run.seq_lengths:
                 x = make_input(shape, run, tp, ranks, seq, device)
                 result = time_workload(layers, x, run, device)
+                if run.host_breakdown:
+                    result["host_breakdown_us"] = host_breakdown(layers, x, device, run.iters)
+                    if rank0:
+                        print(breakdown_table(result["host_breakdown_us"],
+                                              f"{shape.name} {info['layout']} seq {seq}"),
+                              flush=True)
                 if run.profile:
                     prefix = ""
                     if run.trace_dir:

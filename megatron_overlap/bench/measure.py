@@ -99,7 +99,9 @@ def flush_l2(device: torch.device) -> None:
 class Timer:
     """Times one forward per `measure` call: CUDA events on GPU, perf_counter on CPU.
 
-    Every measured forward starts after all ranks line up (`sync`). On CUDA it also
+    Every measured forward starts after all ranks line up (`sync`). `host_ms` holds each
+    forward's host time (perf_counter around the call, no device sync: on CUDA the time to
+    enqueue it; a forward is host-bound when this is close to its event time). On CUDA it also
     records, in bytes, `peak_bytes` (largest `max_memory_allocated` during a forward, reset
     before each) and `fwd_extra_bytes` (largest peak minus what was allocated just before).
 
@@ -113,6 +115,7 @@ class Timer:
         self.flush_l2 = flush_l2
         self._pending: list[tuple[Any, Any]] = []
         self.cpu_ms: list[float] = []
+        self.host_ms: list[float] = []
         self.peak_bytes = 0
         self.fwd_extra_bytes = 0
 
@@ -127,7 +130,9 @@ class Timer:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            self.host_ms.append((time.perf_counter() - t0) * 1e3)
             end.record()
             self._pending.append((start, end))
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -137,6 +142,7 @@ class Timer:
             t0 = time.perf_counter()
             fn()
             self.cpu_ms.append((time.perf_counter() - t0) * 1e3)
+            self.host_ms.append(self.cpu_ms[-1])
 
     def times_ms(self) -> list[float]:
         """This rank's per-forward times in ms (waits for the GPU)."""

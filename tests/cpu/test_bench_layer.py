@@ -80,6 +80,8 @@ def _check_rows(rows: list, layouts: dict, world: int) -> None:
             assert r["agree"] is True, r
             assert len(r["ms_all"]) == 2 and 0 < r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"]
             assert r["speedup_over_on"] == pytest.approx(r["ms_p50"] / on["ms_p50"])
+            # On the CPU the host time is the forward's time
+            assert r["host_ms_p50"] == pytest.approx(r["ms_p50"])
             assert r["label"] and r["experts_impl"]
             assert r["dtype"] == "fp32" and r["gpu"] == "cpu" and r["own_peak_bytes"] is None
             assert r["param_bytes"] > 0
@@ -99,9 +101,17 @@ def _check_rows(rows: list, layouts: dict, world: int) -> None:
 
 @pytest.mark.slow
 def test_bench_layer_world1(tmp_path):
-    proc, rows = _launch(tmp_path, 1)
+    proc, rows = _launch(tmp_path, 1, "--host-breakdown")
     assert proc.returncode == 0, _explain(proc)
     assert f"layer tiny tp1/ep1/dp1/sp0 seq {SEQ}: off " in proc.stdout, _explain(proc)
+    assert f"== host us per forward tiny tp1/ep1/dp1/sp0 seq {SEQ}" in proc.stdout
+    stages = {r["variant"]: r["host_breakdown_us"] for r in rows}
+    for variant, stage in stages.items():  # the layer's own stages in every variant
+        assert stage["forward"] >= stage["layer.routed_experts_compute"] > 0, (variant, stage)
+        assert stage["layer.route"] > 0 and stage["token_dispatcher.dispatch_preprocess"] > 0
+    assert {"mo.plan", "mo.gemm2_gatherrs", "experts.forward_fc1",
+            "token_dispatcher.prepare_combine"} <= set(stages["on"])
+    assert not any(k.startswith("mo.") for k in stages["off"]) and "experts.forward" in stages["off"]
     if not _te_imports():
         assert "skipping off-te: Transformer Engine" in proc.stdout, _explain(proc)
     _check_rows(rows, {"tp1/ep1/dp1/sp0": (1, 1)}, 1)
