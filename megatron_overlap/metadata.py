@@ -29,6 +29,7 @@ needs only the exchanged counts and the routing map (`build_metadata(row_slot=No
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -40,6 +41,46 @@ def chunk_to_group_rank(chunk: int, tp_size: int, ep_size: int) -> int:
     """Group rank of source chunk `chunk` (chunk order c = tp * EP + ep -> g = ep * TP + tp)."""
     tp_rank, ep_rank = divmod(chunk, ep_size)
     return ep_rank * tp_size + tp_rank
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_groups(tp_size: int, ep_size: int) -> np.ndarray:
+    """int64 [R]: `chunk_to_group_rank` of every chunk (read-only)."""
+    out = np.array([chunk_to_group_rank(c, tp_size, ep_size)
+                    for c in range(tp_size * ep_size)], dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def triton_metadata(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: int,
+                    ep_rank: int, topk: int, routing_map: torch.Tensor) -> GatherRSMetadata:
+    """Triton-only metadata (no slots): what `build_metadata(row_slot=None,
+    validate=False)` returns, without its argument checks.
+
+    For callers that made `counts` themselves from this very `routing_map` (the Megatron
+    dispatcher, once per forward on the host's critical path); everyone else calls
+    `build_metadata`, which checks the arguments and then calls this.
+
+    Args:
+        counts: [R, >= E] int64 host array, group order: every rank's tokens per expert
+            (columns past E, e.g. `build_metadata`'s slot columns, are ignored).
+        tp_size, tp_rank, ep_size, ep_rank, topk: as `build_metadata`.
+        routing_map: [T, E] bool device tensor, this rank's.
+    """
+    group_size = tp_size * ep_size
+    num_experts = routing_map.shape[1]
+    num_local = num_experts // ep_size
+    local = counts[:, ep_rank * num_local:(ep_rank + 1) * num_local]
+    zeros = np.zeros(group_size, dtype=np.int64)
+    return GatherRSMetadata(
+        tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
+        num_local_experts=num_local, num_tokens=int(routing_map.shape[0]),
+        rows_per_expert_per_chunk=local[_chunk_groups(tp_size, ep_size)].T.copy(),
+        send_slots=zeros, recv_slots=zeros.copy(), dest_row_offsets=zeros.copy(),
+        recv_rows_per_rank=zeros.copy(), gather_index=None, recv_token_index=None,
+        topk=int(topk), routed_counts=counts[:, :num_experts].copy(),
+        routing_map=routing_map,
+    )
 
 
 def source_slots(routing_map: torch.Tensor, ep_size: int):
@@ -276,19 +317,11 @@ def build_metadata(
             raise ValueError(f"topk={topk} is smaller than a token's routed experts "
                              f"({int(routing_map.sum(dim=1).max())})")
     num_local = num_experts // ep_size
-    chunk_groups = [chunk_to_group_rank(c, tp_size, ep_size) for c in range(group_size)]
+    chunk_groups = _chunk_groups(tp_size, ep_size)
     local = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
     if row_slot is None:  # Triton-only metadata: no slots
-        zeros = np.zeros(group_size, dtype=np.int64)
-        return GatherRSMetadata(
-            tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
-            num_local_experts=num_local, num_tokens=int(routing_map.shape[0]),
-            rows_per_expert_per_chunk=counts[chunk_groups, local].T.copy(),
-            send_slots=zeros, recv_slots=zeros.copy(), dest_row_offsets=zeros.copy(),
-            recv_rows_per_rank=zeros.copy(), gather_index=None, recv_token_index=None,
-            topk=int(topk), routed_counts=counts[:, :num_experts].copy(),
-            routing_map=routing_map,
-        )
+        return triton_metadata(counts, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size,
+                               ep_rank=ep_rank, topk=topk, routing_map=routing_map)
     device = row_slot.device
 
     rows_per_expert_per_chunk = counts[chunk_groups, local].T.copy()  # [L, R] chunk order

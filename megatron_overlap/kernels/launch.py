@@ -100,23 +100,41 @@ class FastLauncher:
         return torch.cuda.current_device()  # where Triton launches
 
     def __call__(self, grid, *args, **meta):
-        args = tuple(_as_kernel_arg(a) for a in args)
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if (self._constexpr_names is None or first is None or not self._on_gpu(first)
-                or not fast_launch_enabled()):
-            return self.fn[grid](*args, **meta)
-        try:
-            key = (self._device(), tuple(_arg_key(a) for a in args),
-                   tuple(sorted(meta.items())))
-            hash(key)
-        except TypeError:  # an argument kind it has no key for: Triton's own path
-            return self.fn[grid](*args, **meta)
+        if self._constexpr_names is None or not fast_launch_enabled():
+            return self.fn[grid](*(_as_kernel_arg(a) for a in args), **meta)
+        # One pass: the kernel arguments and their key (`_arg_key`, inlined for the common
+        # kinds: this runs for every argument of every launch on the host's critical path).
+        conv, keys, first = [], [], None
+        for a in args:
+            kind = type(a)
+            if kind is int:
+                keys.append((32 if -2**31 <= a < 2**31 else (64 if -2**63 <= a < 2**63 else 65),
+                             a == 1, a % 16 == 0))
+            elif kind is bool or a is None:
+                keys.append(a)
+            elif isinstance(a, torch.Tensor):
+                if first is None:
+                    first = a
+                keys.append((a.dtype, a.data_ptr() % 16 == 0))
+            else:
+                a = _as_kernel_arg(a)
+                try:
+                    keys.append(_arg_key(a))
+                except TypeError:  # an argument kind it has no key for: Triton's own path
+                    return self.fn[grid](*(_as_kernel_arg(x) for x in args), **meta)
+            conv.append(a)
+        if first is None or not self._on_gpu(first):
+            return self.fn[grid](*conv, **meta)
+        # kwargs keep their call-site order: one call site, one key (another order would
+        # only add a cache entry)
+        key = (self._device(), tuple(keys), tuple(meta.items()))
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self.fn[grid](*args, **meta)
+            compiled = self.fn[grid](*conv, **meta)
             self._cache[key] = compiled
         else:
             # The compiled kernel's runner reads grid[0], grid[1], grid[2].
-            grid = tuple(grid) + (1,) * (3 - len(grid))
-            compiled[grid](*args, *(meta[name] for name in self._constexpr_names))
+            if len(grid) != 3:
+                grid = tuple(grid) + (1,) * (3 - len(grid))
+            compiled[grid](*conv, *[meta[name] for name in self._constexpr_names])
         return compiled

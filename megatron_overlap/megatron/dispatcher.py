@@ -29,7 +29,12 @@ from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_overlap.config import check_environment
-from megatron_overlap.metadata import GatherRSMetadata, build_metadata, source_slots
+from megatron_overlap.metadata import (
+    GatherRSMetadata,
+    build_metadata,
+    source_slots,
+    triton_metadata,
+)
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps, triton_unavailable_reason
@@ -112,8 +117,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._keep_counts = False  # preprocess keeps Megatron's gathered counts (Triton path)
         self._triton = False  # this forward's combine runs the Triton kernels
         self._megatron_counts = None
-        self._slot_columns = None
         self._num_sms = None
+        self._counts_pinned = None  # reused pinned host buffer of the counts (CUDA)
+        self._counts_event = None  # reused event: the counts' copy into it is done
 
     # ---- dispatch half: Megatron's, plus the counts (and slots for the reference path) -
 
@@ -164,22 +170,22 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             out = super().dispatch_preprocess(hidden_states, routing_map, probs)
         finally:
             self._keep_counts = False
+        slots_per_ep = None
         if triton:
             self._row_slot = self._dest_token_mask = None
-            slots_per_ep = self.routing_map.new_zeros(self.ep_size, dtype=torch.int64)
         else:
             self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
                 self.routing_map, self.ep_size
             )
-        self._slot_columns = None
         if self._megatron_counts is not None:
-            # Megatron's [R * E] counts; the slot columns (zero: no slots travel) are added
-            # on the host (dispatch_postprocess).
-            counts = self._megatron_counts.to(torch.int64)
-            self._slot_columns = self.ep_size
+            # Megatron's [R * E] counts (int64: `routing_map.sum(0).long()` gathered); the
+            # Triton path needs no slot columns.
+            counts = self._megatron_counts
             self._megatron_counts = None
         else:
             with span("mo.counts_all_gather"):
+                if slots_per_ep is None:  # Triton path, one rank or no gather seen
+                    slots_per_ep = self.routing_map.new_zeros(self.ep_size, dtype=torch.int64)
                 counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
                 if self.tp_size * self.ep_size > 1:
                     gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
@@ -191,10 +197,17 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             # this copy only. A blocking .cpu() there would wait for everything queued by then
             # (the token all-to-all, Megatron's sort), and the GPU would idle while the host
             # builds the metadata and enqueues FC1 (measured: ~1.2 ms at 4096 tokens, Qwen3).
-            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            # Buffer and event are reused: the previous forward read the buffer (a copy, in
+            # dispatch_postprocess) before this copy is queued.
+            host = self._counts_pinned
+            if host is None or host.shape != counts.shape or host.dtype != counts.dtype:
+                host = self._counts_pinned = torch.empty(counts.shape, dtype=counts.dtype,
+                                                         pin_memory=True)
             host.copy_(counts, non_blocking=True)
-            self._counts_ready = torch.cuda.Event()
-            self._counts_ready.record()
+            if self._counts_event is None:
+                self._counts_event = torch.cuda.Event()
+            self._counts_event.record()
+            self._counts_ready = self._counts_event
             self._counts_host = host
         else:
             self._counts_ready, self._counts_host = None, counts
@@ -220,11 +233,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         with span("mo.counts_to_host"):
             if self._counts_ready is not None:
                 self._counts_ready.synchronize()
-            self._counts = self._counts_host.numpy()
-            if self._slot_columns:
-                self._counts = np.concatenate(
-                    [self._counts, np.zeros((self._counts.shape[0], self._slot_columns),
-                                            dtype=self._counts.dtype)], axis=1)
+            # [R, E] on the Triton path, [R, E + EP] (slot columns) on the reference path; a
+            # copy: the pinned buffer is refilled by the next forward
+            self._counts = self._counts_host.numpy().copy()
         self._counts_ready = self._counts_host = None
         row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
         if row_slot is not None:
@@ -235,6 +246,11 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return tokens, tokens_per_expert, probs
 
     def _build_metadata(self, row_slot):
+        if row_slot is None:  # Triton path: counts and routing map from this forward
+            return triton_metadata(
+                self._counts, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                ep_size=self.ep_size, ep_rank=self.ep_rank, topk=self.config.moe_router_topk,
+                routing_map=self.routing_map)
         return build_metadata(
             counts=self._counts,
             row_slot=row_slot,
@@ -251,7 +267,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def _gather_and_sort_slots(self, row_slot: torch.Tensor) -> torch.Tensor:
         """The received rows' slots in `h` order: Megatron's TP all-gather and sort by local
         expert, applied to them as to the tokens."""
-        num_experts = self._counts.shape[1] - self.ep_size
+        num_experts = self.num_experts
         nle = self.num_local_experts
         local = slice(self.ep_rank * nle, (self.ep_rank + 1) * nle)
         # [TP, EP, L] rows received from each (tp, ep) source, like Megatron's
@@ -287,7 +303,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self._num_sms is None and h_like.is_cuda:
             self._num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         me = self.ep_rank * self.tp_size + self.tp_rank  # rows of my tokens, x TP partials:
-        recv_rows = int(self._counts[me, : self._counts.shape[1] - self.ep_size].sum())
+        recv_rows = int(self._counts[me, : self.num_experts].sum())
         from megatron_overlap.ops.triton_gemm2_gatherrs import compiled_resources
 
         with span("mo.plan"):
@@ -306,7 +322,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             # The pre-reduced mode needs every rank's routing map; the token counts follow
             # from the exchanged counts, so the gather needs no host sync.
             with span("mo.routing_maps"):
-                num_experts = self._counts.shape[1] - self.ep_size
+                num_experts = self.num_experts
                 dropless = getattr(self.config, "moe_expert_capacity_factor", None) is None
                 sizes = tokens_per_rank(self._counts, num_experts, self.config.moe_router_topk,
                                         dropless)

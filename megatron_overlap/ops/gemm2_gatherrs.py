@@ -47,11 +47,32 @@ def triton_unavailable_reason(h: torch.Tensor, w2: torch.Tensor,
         return f"dtype {h.dtype} (the Triton kernels take {TRITON_DTYPES})"
     if torch.is_grad_enabled() and (h.requires_grad or w2.requires_grad):
         return "autograd is recording (the Triton path is forward-only: inference / prefill)"
-    if group is not None and dist.get_world_size(group) > 1:
-        if dist.get_backend(group) != "nccl":
-            return f"the process group backend is {dist.get_backend(group)}, expected nccl"
-        return _peer_access_reason(h.device.index or 0, dist.get_world_size(group))
-    return None
+    if group is None:
+        return None
+    return _group_reason(group, h.device.index or 0)
+
+
+_GROUP_REASONS: dict = {}
+"""id(group) -> (group, {device index: reason}); the group is kept, so its id is not reused."""
+
+
+def _group_reason(group: dist.ProcessGroup, device_index: int) -> Optional[str]:
+    """The process group's part of `triton_unavailable_reason` (its size, backend and the
+    node's peer access do not change during a group's life): worked out once per group and
+    device, as the Megatron dispatcher asks twice per forward."""
+    entry = _GROUP_REASONS.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _GROUP_REASONS[id(group)] = (group, {})
+    reasons = entry[1]
+    if device_index not in reasons:
+        reason = None
+        if dist.get_world_size(group) > 1:
+            if dist.get_backend(group) != "nccl":
+                reason = f"the process group backend is {dist.get_backend(group)}, expected nccl"
+            else:
+                reason = _peer_access_reason(device_index, dist.get_world_size(group))
+        reasons[device_index] = reason
+    return reasons[device_index]
 
 
 def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,

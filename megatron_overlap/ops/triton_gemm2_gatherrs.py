@@ -17,12 +17,13 @@ Per call, on this rank (DESIGN.md §3):
      E) host work, whatever the token count;
   2. device, current stream: the tile list (`_tile_list_block`: the segments' tiles,
      wave-ordered for the plan's k communication CTAs) and the routing map's token counts
-     per block (`_block_count_block`), both in one launch (`_prepare_kernel`), then the
-     finalize index (`_index_kernel`: the routing map's prefix sum over tokens, compacted
-     per token), then, once h exists, `_gemm_scatter_kernel` (persistent,
-     `plan.num_ctas` CTAs) and `_finalize_kernel`. Everything up to the index needs only
-     the metadata: `_Call` does it at construction ("prepare"), which the Megatron layer
-     does while FC1 runs;
+     per block (`_block_count_block`), both in one launch (`_prepare_kernel`); once h
+     exists, `_gemm_scatter_kernel` (persistent, `plan.num_ctas` CTAs), then the finalize
+     index (`_index_kernel`: the routing map's prefix sum over tokens, compacted per
+     token) and `_finalize_kernel`. The tile list needs only the metadata: `_Call` launches
+     it at construction ("prepare"), which the Megatron layer does while FC1 runs; the
+     index is launched with the finalize, after the GEMM2, so that its host time overlaps
+     the GEMM2 instead of delaying its launch;
   3. the error record is copied to pinned memory asynchronously and checked at the start of
      the next call on the workspace (or now with `finish(sync_errors=True)`, or by
      `GatherRSWorkspace.check_errors()`): a finalize that timed out raises RuntimeError
@@ -359,6 +360,10 @@ class _Call:
     """Names the kernels a call launches (the first call of each mode and specialisation
     lines the ranks up after compiling)."""
 
+    _index_args = None
+    """Arguments of the finalize-index launch (`launch_index`; None: no index)."""
+    _indexed = False
+
     def _init_common(self, meta, ws, plan, hidden, dtype, device, timeout_s, tile) -> None:
         """The fields every mode sets first (see the class docstring for the arguments)."""
         ws.check_errors(block=False)  # a previous call's timeout surfaces here
@@ -442,11 +447,12 @@ class _Call:
                     tile_blocks, rmap, block_counts, meta.num_tokens, num_experts,
                     BM=self.tile.bm, BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK,
                     EP2=ep2, BT=bt, num_warps=warps)
-            if nb:
-                _index(
-                    (nb,), rmap, block_counts, self.finalize_base, self.index,
-                    meta.num_tokens, num_experts, TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt,
-                    CB=32, num_warps=warps)
+            # The finalize index is launched by `finalize`, after the GEMM2: its host time
+            # then overlaps the GEMM2 instead of delaying it (the GPU runs it in between).
+            self._index_args = ((nb,), rmap, block_counts, self.finalize_base, self.index,
+                                meta.num_tokens, num_experts)
+            self._index_meta = dict(TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
+                                    num_warps=warps)
         # Claim counters of the dynamic schedule (zeroed at each launch); the static one
         # reads none.
         self.counters = (None if self.tile.static
@@ -532,14 +538,25 @@ class _Call:
         if self.gpu:
             _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
 
+    def launch_index(self) -> None:
+        """Launch the finalize index (`_index_kernel`, into `index`) on the current stream,
+        once per call; `finalize` does it first (after the GEMM2 was launched)."""
+        if self._indexed:
+            return
+        self._indexed = True
+        if self._index_args is not None and self._index_args[0][0]:
+            _index(*self._index_args, **self._index_meta)
+
     def finalize(self) -> None:
-        """`_finalize_kernel` on the current stream (waits for the arrivals).
+        """`_finalize_kernel` on the current stream (waits for the arrivals), after the
+        finalize index (`_index_kernel`) on the first finalize of the call.
 
         The first finalize of the call also tells every other rank that this rank's buffer
         is free (its finalize count goes up by one per call, which the producers' waits
         count on); running it again (the benchmark times the summing alone that way) only
         sums again."""
         ws, meta = self.ws, self.meta
+        self.launch_index()
         bt, bh = FINALIZE_BLOCK if self.gpu else (8, 16)
         grid = (max(1, -(-meta.num_tokens // bt)), -(-self.hidden // bh))
         signal_free = not self._finalized

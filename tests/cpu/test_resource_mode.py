@@ -306,10 +306,10 @@ def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypat
     monkeypatch.setattr(d, "gather_routing_maps", gather)
     monkeypatch.setattr(d, "prepare_gemm2_gatherrs", prepare)
     options = GatherRSOptions()
-    counts = np.array([[2, 2, 0], [1, 3, 0]])  # [R, E + EP]: top-2, 2 tokens per rank
+    counts = np.array([[2, 2, 0], [1, 3, 0]])  # [R, E + EP] (reference path's columns)
     fake = types.SimpleNamespace(
         metadata=types.SimpleNamespace(group_size=2), _num_sms=132, ep_rank=0, tp_rank=0,
-        tp_size=1, ep_size=1, _counts=counts, _triton=triton, options=options,
+        tp_size=1, ep_size=1, num_experts=2, _counts=counts, _triton=triton, options=options,
         _direct_options=GatherRSOptions(prereduce=False), num_plans=0, tp_ep_group=None,
         config=types.SimpleNamespace(moe_expert_capacity_factor=None, moe_router_topk=2),
         routing_map=torch.zeros(2, 2, dtype=torch.bool))

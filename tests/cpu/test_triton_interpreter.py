@@ -66,6 +66,7 @@ def _index_mismatch():
     h, w2, meta = rank_operands(case, 1)
     call = _Call(meta, ws[1], Plan(num_comm_ctas=1, num_ctas=1, source="test"), hidden=16,
                  dtype=h.dtype, device=h.device, timeout_s=1.0, tile=INTERPRETER_TILE)
+    call.launch_index()  # (finalize launches it, after the GEMM2)
     rows = contribution_rows(meta, call.layout)  # [T, E, TP], -1: not routed
     want = torch.full_like(call.index, -1)
     for t in range(rows.shape[0]):
