@@ -118,6 +118,8 @@ class GatherRSWorkspace:
         self._broken: Optional[str] = None  # why the workspace is unusable (`poison`)
         self.sent_epoch = 0  # the last call sent (`start_send`)
         self.stream = None  # the CUDA stream every call runs on (the first call's)
+        # per-call buffers kept for reuse by the Triton launcher (ops.triton_gemm2_gatherrs)
+        self.staging_slots: list = []
 
     @property
     def recv(self) -> torch.Tensor:
@@ -309,6 +311,7 @@ class GatherRSWorkspace:
             pending = err
         self._recv = self._recv_handle = self._sig_handle = None
         self.signals = self.peer_signal_ptrs = self.peer_recv_ptrs = None
+        self.staging_slots = []
         self._destroyed = True
         if pending is not None:
             raise pending

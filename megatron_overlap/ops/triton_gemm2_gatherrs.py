@@ -337,12 +337,79 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch_alloc)
 
 
+class _StagingSlot:
+    """Per-call buffers that a workspace keeps for reuse (GPU, direct mode): a pinned host
+    buffer of the call's tables (targets, finalize bases, segments) with the event of its
+    last upload, their device copy with its views, and the device scratch (tile list, block
+    counts, finalize index). Saves a pinned and two device allocations, and the views, per
+    call on the host's critical path.
+
+    A slot serves one `_Call` at a time, from its construction until it is garbage
+    collected (a caller may finalize again, or time `gemm_only`, long after the run). It is
+    reused only when that call is gone, the upload from its host buffer is done (no host
+    wait) and the current stream is the workspace's stream (every device use of the old
+    call's buffers is then ordered before the new call's); otherwise `acquire` returns None
+    and the call allocates its own buffers.
+    """
+
+    __slots__ = ("busy", "event", "host", "host_np", "dev", "views", "tables", "scratch")
+    RING = 4
+    """Slots per workspace."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.event = None
+        self.host = self.host_np = self.dev = self.views = self.tables = self.scratch = None
+
+    @classmethod
+    def acquire(cls, ws: GatherRSWorkspace, tables: tuple, scratch_size: int):
+        """A free slot of `ws` with room for `tables` (int32 sizes of targets, finalize
+        bases, table) and `scratch_size` int32 of scratch, marked busy; or None."""
+        ring = ws.staging_slots
+        if ws.stream is None or torch.cuda.current_stream(ws.device) != ws.stream:
+            return None  # the first call, or another stream than the workspace's
+        for slot in ring:
+            if not slot.busy and (slot.event is None or slot.event.query()):
+                break
+        else:
+            if len(ring) >= cls.RING:
+                return None
+            slot = cls()
+            ring.append(slot)
+        slot.busy = True
+        slot._fit(ws.device, tables, scratch_size)
+        return slot
+
+    def _fit(self, device, tables: tuple, scratch_size: int) -> None:
+        need = sum(tables)
+        if self.host is None or self.host.numel() != need:
+            self.host = torch.empty(need, dtype=torch.int32, pin_memory=True)
+            self.host_np = self.host.numpy()
+            self.dev = torch.empty(need, dtype=torch.int32, device=device)
+            self.tables = None
+        if self.tables != tables:
+            r2, n_base, _ = tables
+            self.views = (self.dev[:r2].view(torch.int64), self.dev[r2: r2 + n_base],
+                          self.dev[r2 + n_base:].view(-1, k.TILE_FIELDS))
+            self.tables = tables
+        if self.scratch is None or self.scratch.numel() < scratch_size:
+            self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024, dtype=torch.int32,
+                                       device=device)
+
+    def copy_in(self) -> None:
+        """Upload the tables (asynchronous, current stream) and record the event."""
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record()
+
+
 class _Call:
     """One call, prepared then run.
 
-    Construction does all the host work and needs only the metadata: the tables, the
-    arrival targets, one asynchronous H2D copy and the finalize index, on the current
-    stream. The Megatron layer prepares the call right after it enqueues FC1, so this host
+    Construction does the host work and needs only the metadata: the tables, the arrival
+    targets, one asynchronous H2D copy (into a reused `_StagingSlot` where one is free) and
+    the tile list, on the current stream; the finalize index follows with the finalize. The Megatron layer prepares the call right after it enqueues FC1, so this host
     work overlaps FC1 on the GPU. `send` launches the GEMM2 + scatter kernel and
     `finish` the finalize; `run` does both. A prepared call must be run: its arrival
     targets are already counted.
@@ -408,31 +475,48 @@ class _Call:
         # earlier call on the workspace has run.
         self.freed_target = self.epoch - 1
         targets = ws.add_expected_arrivals(lay.arrivals)
+        num_tiles = self.num_remote + self.num_local
+        rmap = meta.routing_map.view(torch.uint8)
+        num_experts = rmap.shape[1]
+        kmax = max(1, min(int(meta.topk or num_experts), num_experts))
+        bt = INDEX_BLOCK_TOKENS if self.gpu else 16
+        nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
+        # Device scratch: the tile list, the per-block token counts, the index.
+        sizes = (0 if tile_list == "host" else num_tiles * k.TILE_FIELDS,
+                 nb * num_experts, meta.num_tokens * kmax * meta.tp_size)
+        r2, n_base = 2 * meta.group_size, lay.finalize_base.size
+        tables = (r2, n_base, table.size)
         with span("mo.h2d"):
             # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, and
-            # the segments (or, with the host tile list, the tiles).
-            r2, n_base = 2 * meta.group_size, lay.finalize_base.size
-            host = torch.empty(r2 + n_base + table.size, dtype=torch.int32, pin_memory=self.gpu)
-            buf = host.numpy()
+            # the segments (or, with the host tile list, the tiles); the buffers of a free
+            # staging slot of the workspace when there is one (`_StagingSlot`).
+            slot = self._slot = _StagingSlot.acquire(ws, tables, sum(sizes)) if self.gpu else None
+            if slot is not None:
+                buf = slot.host_np
+                dev_targets, self.finalize_base, dev_table = slot.views
+            else:
+                host = torch.empty(sum(tables), dtype=torch.int32, pin_memory=self.gpu)
+                buf = host.numpy()
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
             buf[r2 + n_base:] = table.reshape(-1)
-            dev = host.to(device, non_blocking=True)
-            self.targets = dev[:r2].view(torch.int64)
-            self.finalize_base = dev[r2: r2 + n_base]
-            table = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
+            if slot is not None:
+                slot.copy_in()
+            else:
+                dev = host.to(device, non_blocking=True)
+                dev_targets = dev[:r2].view(torch.int64)
+                self.finalize_base = dev[r2: r2 + n_base]
+                dev_table = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
+            self.targets = dev_targets
+            table = dev_table
         with span("mo.prepare_kernels"):
-            num_tiles = self.num_remote + self.num_local
-            rmap = meta.routing_map.view(torch.uint8)
-            num_experts = rmap.shape[1]
-            kmax = max(1, min(int(meta.topk or num_experts), num_experts))
-            bt = INDEX_BLOCK_TOKENS if self.gpu else 16
-            nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
-            # One device allocation: the tile list, the per-block token counts, the index.
-            sizes = [0 if tile_list == "host" else num_tiles * k.TILE_FIELDS,
-                     nb * num_experts, meta.num_tokens * kmax * meta.tp_size]
-            scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
-            tiles, block_counts, index = torch.split(scratch, sizes)
+            if slot is not None:
+                scratch = slot.scratch[: sum(sizes)]
+            else:
+                scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+            tiles = scratch[: sizes[0]]
+            block_counts = scratch[sizes[0]: sizes[0] + sizes[1]]
+            index = scratch[sizes[0] + sizes[1]:]
             self.tiles = table if tile_list == "host" else tiles.view(-1, k.TILE_FIELDS)
             self.index = index.view(meta.num_tokens, kmax * meta.tp_size)
             tile_blocks = 0 if tile_list == "host" else triton.cdiv(num_tiles, TILE_LIST_BLOCK)
@@ -461,6 +545,11 @@ class _Call:
         self.h = self.w2 = None
         self.sent = False
         self._finalized = False
+
+    def __del__(self) -> None:
+        slot = self.__dict__.get("_slot")
+        if slot is not None:
+            slot.busy = False
 
     def run(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """`send` then `finish`; returns [T, H]."""

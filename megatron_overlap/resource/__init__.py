@@ -162,6 +162,8 @@ _warned_fixed = False
 
 
 def _positive_int(name: str, value) -> int:
+    if type(value) is int and value >= 1:  # the common case, first (runs per launch)
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r}: expected an int")
     if value < 1:
@@ -273,7 +275,8 @@ def plan_gemm2_gatherrs(
     if elem_bytes not in (1, 2, 4, 8):
         raise ValueError(f"elem_bytes={elem_bytes}: expected the byte size of a dtype "
                          "(1, 2, 4 or 8)")
-    if (not isinstance(tile, tuple) or len(tile) != 3
+    if tile is not DEFAULT_TILE and (
+            not isinstance(tile, tuple) or len(tile) != 3
             or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile)):
         raise ValueError(f"tile={tile!r}: expected (BM, BN, BK), three ints >= 1")
     bm, bn, bk = tile
@@ -294,6 +297,8 @@ def plan_gemm2_gatherrs(
 
     if recv_rows is None:
         recv_rows = int(meta.rows_per_expert_per_chunk.sum())
+    elif type(recv_rows) is int and recv_rows >= 0:
+        pass
     elif isinstance(recv_rows, bool) or not isinstance(recv_rows, numbers.Integral):
         raise TypeError(f"recv_rows={recv_rows!r}: expected an int")
     elif recv_rows < 0:

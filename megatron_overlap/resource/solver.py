@@ -52,8 +52,12 @@ def implementation(name: Optional[str] = None) -> ModuleType:
     """
     global _warned
     explicit_arg = name is not None
-    explicit = explicit_arg or bool(os.environ.get(SOLVER_ENV))
-    name = name or os.environ.get(SOLVER_ENV) or "cpp"
+    if name:
+        explicit = True
+    else:
+        env = os.environ.get(SOLVER_ENV)
+        explicit = explicit_arg or bool(env)
+        name = env or "cpp"
     if name == "python":
         return twin
     if name != "cpp":

@@ -330,3 +330,49 @@ def test_flag_on_auto_takes_the_prereduced_mode_where_the_link_is_slow(world, tm
             if case.ep == 1 and case.topk >= 2:
                 assert res["plan_mode"] == "prereduce", (case, res["plan_mode"])
                 assert res["last_combine"] == "prereduced", (case, res["last_combine"])
+
+
+def test_staging_slots_are_reused_only_when_the_call_is_gone():
+    """`_StagingSlot`: a call object still alive keeps its slot, so its tile list and
+    finalize index stay intact while later calls run (bench_op times `gemm_only` of an old
+    call that way); dropped calls free theirs for reuse, and the ring stays bounded. World
+    1, in this process."""
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _StagingSlot
+    from megatron_overlap.symm import destroy_workspaces
+
+    opts = GatherRSOptions(backend="triton", timeout_s=20.0, prereduce=False)
+    cases = [OpCase(1, 1, num_experts=8, topk=2, hidden=512, ffn=256,
+                    tokens_per_rank=[200 + 29 * i], routing=("uniform", "skewed")[i % 2],
+                    dtype=torch.bfloat16, seed=40 + i) for i in range(8)]
+    operands = []
+    for case in cases:
+        h, w2, meta = rank_operands(case, 0)
+        operands.append((h.cuda(), w2.cuda(), meta.to("cuda")))
+    try:
+        with torch.no_grad():
+            gemm2_gatherrs(*operands[0], group=None, options=opts)  # compiles; sets the stream
+            kept = prepare_gemm2_gatherrs(*operands[0], group=None, options=opts)
+            kept.run(*operands[0][:2])
+            assert kept._slot is not None, "the second call found no free staging slot"
+            tiles, index = kept.tiles.clone(), kept.index.clone()
+            seen = []
+            for h, w2, meta in operands[1:]:
+                ref = gemm2_gatherrs(h, w2, meta, group=None,
+                                     options=GatherRSOptions(backend="reference"))
+                call = prepare_gemm2_gatherrs(h, w2, meta, group=None, options=opts)
+                assert call._slot is not kept._slot
+                seen.append(call._slot)
+                out = call.run(h, w2)
+                torch.cuda.synchronize()
+                problem = describe_mismatch(out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
+                assert problem is None, problem
+                del call
+            torch.cuda.synchronize()
+            assert torch.equal(kept.tiles, tiles) and torch.equal(kept.index, index)
+            ws = kept.ws
+            assert len(ws.staging_slots) <= _StagingSlot.RING
+            assert len({id(s) for s in seen if s is not None}) < len(seen), "no slot reused"
+    finally:
+        destroy_workspaces()
