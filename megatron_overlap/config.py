@@ -28,6 +28,10 @@ sends one entry per destination and local expert, `_tile_list_block` expands the
 "host" (numpy `expand_tiles` + `wave_order`, the whole list copied; the twin, for
 comparison and debugging)."""
 
+SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
+"""Environment variable of the resource solver: "cpp", "python" or unset (C++ when built;
+`megatron_overlap.resource.solver.implementation`)."""
+
 
 def check_environment() -> None:
     """Check every `MEGATRON_OVERLAP_*` variable of the fused path now, so that a typo fails

@@ -14,17 +14,19 @@ remote-bound tiles first).
 
 from __future__ import annotations
 
+import functools
 import numbers
+import os
 
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
-from megatron_overlap.config import GatherRSOptions
+from megatron_overlap.config import SOLVER_ENV, GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
 from megatron_overlap.resource import model as _model
 from megatron_overlap.resource.mode import ModeChoice, choose_mode
-from megatron_overlap.resource.profile import HardwareProfile, load_profile
+from megatron_overlap.resource.profile import PROFILE_ENV, HardwareProfile, load_profile
 
 __all__ = [
     "DEFAULT_KERNEL_RESOURCES",
@@ -171,6 +173,36 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+def _static_inputs(solver: Optional[str], profile, res: KernelResources):
+    """(solver module, HardwareProfile, resident CTAs per SM of `res`): the inputs of a plan
+    that depend neither on the call nor on its sizes."""
+    # imported here, not at the top: `python -m megatron_overlap.resource.solver` must find
+    # the module not yet imported by its package (runpy warns otherwise)
+    from megatron_overlap.resource.solver import implementation
+
+    impl = implementation(solver)
+    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    gpu = prof.gpu
+    o_p = impl.ctas_per_sm(
+        res.registers_per_thread, res.shared_bytes, res.threads_per_cta,
+        registers_per_sm=gpu.registers_per_sm,
+        max_registers_per_thread=gpu.max_registers_per_thread,
+        register_alloc_unit=gpu.register_alloc_unit, shared_bytes_per_sm=gpu.shared_bytes_per_sm,
+        max_shared_bytes_per_cta=gpu.max_shared_bytes_per_cta,
+        shared_reserved_bytes_per_cta=gpu.shared_reserved_bytes_per_cta,
+        max_threads_per_sm=gpu.max_threads_per_sm, max_threads_per_cta=gpu.max_threads_per_cta,
+        max_ctas_per_sm=gpu.max_ctas_per_sm)
+    return impl, prof, o_p
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_static_inputs(solver: Optional[str], solver_env: Optional[str], profile,
+                          profile_env: Optional[str], res: KernelResources):
+    """`_static_inputs(solver, profile, res)` cached per its arguments and the values of the
+    two variables it reads when they are None (errors are not cached)."""
+    return _static_inputs(solver, profile, res)
+
+
 def plan_gemm2_gatherrs(
     meta: GatherRSMetadata,
     options: GatherRSOptions,
@@ -235,25 +267,15 @@ def plan_gemm2_gatherrs(
         return Plan(num_comm_ctas=DEFAULT_NUM_COMM_CTAS, num_ctas=None, source="cpu",
                     mode=fixed_mode)
 
-    # imported here, not at the top: `python -m megatron_overlap.resource.solver` must find
-    # the module not yet imported by its package (runpy warns otherwise)
-    from megatron_overlap.resource.solver import implementation
-
-    impl = implementation(solver)
-    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     res = DEFAULT_KERNEL_RESOURCES if kernel is None else kernel
     if not isinstance(res, KernelResources):
         raise TypeError(f"kernel={kernel!r}: expected a KernelResources")
-    gpu = prof.gpu
-    o_p = impl.ctas_per_sm(
-        res.registers_per_thread, res.shared_bytes, res.threads_per_cta,
-        registers_per_sm=gpu.registers_per_sm,
-        max_registers_per_thread=gpu.max_registers_per_thread,
-        register_alloc_unit=gpu.register_alloc_unit, shared_bytes_per_sm=gpu.shared_bytes_per_sm,
-        max_shared_bytes_per_cta=gpu.max_shared_bytes_per_cta,
-        shared_reserved_bytes_per_cta=gpu.shared_reserved_bytes_per_cta,
-        max_threads_per_sm=gpu.max_threads_per_sm, max_threads_per_cta=gpu.max_threads_per_cta,
-        max_ctas_per_sm=gpu.max_ctas_per_sm)
+    if isinstance(profile, HardwareProfile):
+        impl, prof, o_p = _static_inputs(solver, profile, res)
+    else:
+        # cached: everything here depends only on these (and the two variables) per process
+        impl, prof, o_p = _cached_static_inputs(
+            solver, os.environ.get(SOLVER_ENV), profile, os.environ.get(PROFILE_ENV), res)
     grid = num_sms * o_p
 
     for name, value in (("hidden", hidden), ("ffn", ffn)):  # checked even where unused

@@ -19,10 +19,9 @@ import warnings
 from types import ModuleType
 from typing import Optional
 
+from megatron_overlap.config import SOLVER_ENV  # noqa: F401 (re-export)
 from megatron_overlap.resource import model as twin
 
-SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
-"""Environment variable: "cpp", "python" or unset (C++ when built)."""
 
 try:
     from megatron_overlap.resource import _solver as _cpp

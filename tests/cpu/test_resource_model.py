@@ -204,6 +204,31 @@ def test_plan_model_no_remote_override_cpu_fixed():
     assert fixed.source == "fixed" and fixed.num_ctas == 132
 
 
+def test_plan_static_inputs_cache_follows_the_environment(monkeypatch, tmp_path):
+    """The plan caches what depends only on the solver, the profile and the kernel; the
+    variables that pick them are read on every call, so changing one takes effect (and a
+    bad value still raises, naming the variable)."""
+    import dataclasses
+
+    from megatron_overlap.resource.profile import save_profile
+
+    meta = meta_of([[1000, 1100], [900, 1200]])
+    monkeypatch.delenv("MEGATRON_OVERLAP_HW_PROFILE", raising=False)
+    base = plan_gemm2_gatherrs(meta, GatherRSOptions(), **SIZES)
+    assert plan_gemm2_gatherrs(meta, GatherRSOptions(), **SIZES) == base
+    prof = load_profile("h200")
+    slow = dataclasses.replace(prof, name="slow-link", link_bandwidth_gbps=5.0,
+                               cta_bandwidth_gbps=0.5)
+    save_profile(slow, tmp_path / "slow.yaml")
+    monkeypatch.setenv("MEGATRON_OVERLAP_HW_PROFILE", str(tmp_path / "slow.yaml"))
+    changed = plan_gemm2_gatherrs(meta, GatherRSOptions(), **SIZES)
+    assert changed.predicted_us > base.predicted_us
+    assert changed == plan_gemm2_gatherrs(meta, GatherRSOptions(), profile=slow, **SIZES)
+    monkeypatch.setenv("MEGATRON_OVERLAP_SOLVER", "bogus")
+    with pytest.raises(ValueError, match="MEGATRON_OVERLAP_SOLVER='bogus'"):
+        plan_gemm2_gatherrs(meta, GatherRSOptions(), **SIZES)
+
+
 def test_plan_with_two_ctas_per_sm_doubles_the_grid():
     meta = meta_of([[1000, 1100], [900, 1200]])
     plan = plan_gemm2_gatherrs(meta, GatherRSOptions(), kernel=KernelResources(128, 98304, 256),
