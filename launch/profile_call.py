@@ -3,10 +3,11 @@
     source scripts/device_setup.sh && torchrun --standalone --nproc_per_node 2 \
         launch/profile_call.py --model qwen3-30b-a3b --tokens 4096
 
-Per stage of `_Call` (preparation: tables, upload, prefix sum; kernel launch; finalize
-launch; error-record copy), the host time to enqueue it, median of --iters calls
-with the GPU idle at the start of each; then the torch.profiler table of the top CPU ops of
-one call. Rank 0 prints. A development tool; the numbers go into docs/perf_notes.md.
+Per stage of `_Call` (preparation: tables, upload, tile list; kernel launch; finalize
+launch, with the finalize index's prefix sum; error-record copy), the host time to enqueue
+it, median of --iters calls with the GPU idle at the start of each; then the torch.profiler
+table of the top CPU ops of one call. Rank 0 prints. A development tool; the numbers go
+into docs/perf_notes.md.
 """
 
 from __future__ import annotations

@@ -94,11 +94,14 @@ class GatherRSWorkspace:
         self.epoch = 0
         self.capacity_rows = 0
         self.compiled: set = set()  # kernel specialisations already warmed up
-        self.error = torch.zeros(4, dtype=torch.int64, device=self.device)
-        self.finalize_done = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Outside inference mode: these are updated in place by every call (zero_, copy_),
+        # also by calls made outside inference mode after one made inside it.
+        with torch.inference_mode(False):
+            self.error = torch.zeros(4, dtype=torch.int64, device=self.device)
+            self.finalize_done = torch.zeros(1, dtype=torch.int64, device=self.device)
+            pinned = self.device.type == "cuda"
+            self._error_host = torch.zeros(4, dtype=torch.int64, pin_memory=pinned)
         self.finalize_ctas = 0  # finalize CTAs launched on this workspace so far
-        pinned = self.device.type == "cuda"
-        self._error_host = torch.zeros(4, dtype=torch.int64, pin_memory=pinned)
         self._error_event = None
         self.expected_arrivals = np.zeros(self.num_ranks, dtype=np.int64)
         self._recv = None

@@ -20,7 +20,7 @@ faster). Targets (issue 5), checked and stated met or missed:
   * the flag's extra peak memory (own peak, see `megatron_overlap.bench.measure`) <= 10 % of
     the baseline's ("off"); for the breakdown the report also gives the extra peak over
     "off-grouped" (the same grouped FC1 as flag on: what the fused return path adds) and the
-    symmetric receive workspace's share of it (information, no verdict).
+    symmetric receive workspace in % of off-grouped's peak (information, no verdict).
 
 Row schema (JSON lines; one row per workload and variant)
 ---------------------------------------------------------

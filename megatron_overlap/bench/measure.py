@@ -100,8 +100,10 @@ class Timer:
     """Times one forward per `measure` call: CUDA events on GPU, perf_counter on CPU.
 
     Every measured forward starts after all ranks line up (`sync`). `host_ms` holds each
-    forward's host time (perf_counter around the call, no device sync: on CUDA the time to
-    enqueue it; a forward is host-bound when this is close to its event time). On CUDA it also
+    forward's host time (perf_counter around the call, no device sync added: on CUDA the
+    time to enqueue it plus any wait in a host sync the forward makes itself, e.g.
+    Megatron's split sizes; close to the event time means the host paces the forward, by
+    its work or by its syncs). On CUDA it also
     records, in bytes, `peak_bytes` (largest `max_memory_allocated` during a forward, reset
     before each) and `fwd_extra_bytes` (largest peak minus what was allocated just before).
 

@@ -128,7 +128,10 @@ class FastLauncher:
         # kwargs keep their call-site order: one call site, one key (another order would
         # only add a cache entry)
         key = (self._device(), tuple(keys), tuple(meta.items()))
-        compiled = self._cache.get(key)
+        try:
+            compiled = self._cache.get(key)
+        except TypeError:  # an unhashable keyword value: Triton's own path
+            return self.fn[grid](*conv, **meta)
         if compiled is None:
             compiled = self.fn[grid](*conv, **meta)
             self._cache[key] = compiled

@@ -68,6 +68,22 @@ def tokens_per_rank(counts: np.ndarray, num_experts: int, topk: int,
     return [int(x) // topk for x in pairs]
 
 
+def refill(buffer: Optional[torch.Tensor], src: torch.Tensor, *,
+           pin_memory: bool) -> torch.Tensor:
+    """`src` copied into `buffer` (non-blocking), or into a new host buffer of src's shape and
+    dtype when `buffer` is None or does not match; returns the buffer.
+
+    The buffer is allocated and filled outside inference mode: one made under
+    `torch.inference_mode()` (an inference forward) could not be refilled by a later
+    forward outside it (a training step), which torch refuses ("inplace update to inference
+    tensor outside InferenceMode")."""
+    with torch.inference_mode(False):
+        if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
+            buffer = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin_memory)
+        buffer.copy_(src, non_blocking=True)
+    return buffer
+
+
 def _all_gather_varsize(t: torch.Tensor, sizes: List[int], group) -> torch.Tensor:
     """Concatenate every rank's 1-D `t` (rank r holds sizes[r] elements) in group order.
 
@@ -95,8 +111,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         ValueError: the config is not supported by the fused path (`validate_gatherrs_config`),
             or an environment variable of the fused path has a bad value
             (`MEGATRON_OVERLAP_TILE_LIST`, `MEGATRON_OVERLAP_HW_PROFILE`,
-            `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FAST_LAUNCH`): checked here, on every device, so that a typo does
-            not wait for the first GPU launch.
+            `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FAST_LAUNCH`): checked here, on every
+            device, so that a typo does not wait for the first GPU launch.
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
 
@@ -199,11 +215,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             # builds the metadata and enqueues FC1 (measured: ~1.2 ms at 4096 tokens, Qwen3).
             # Buffer and event are reused: the previous forward read the buffer (a copy, in
             # dispatch_postprocess) before this copy is queued.
-            host = self._counts_pinned
-            if host is None or host.shape != counts.shape or host.dtype != counts.dtype:
-                host = self._counts_pinned = torch.empty(counts.shape, dtype=counts.dtype,
-                                                         pin_memory=True)
-            host.copy_(counts, non_blocking=True)
+            host = self._counts_pinned = refill(self._counts_pinned, counts, pin_memory=True)
             if self._counts_event is None:
                 self._counts_event = torch.cuda.Event()
             self._counts_event.record()

@@ -346,20 +346,34 @@ class _StagingSlot:
 
     A slot serves one `_Call` at a time, from its construction until it is garbage
     collected (a caller may finalize again, or time `gemm_only`, long after the run). It is
-    reused only when that call is gone, the upload from its host buffer is done (no host
-    wait) and the current stream is the workspace's stream (every device use of the old
-    call's buffers is then ordered before the new call's); otherwise `acquire` returns None
-    and the call allocates its own buffers.
+    reused only when that call is gone, the upload from its host buffer is done, every
+    launch that read its buffers on another stream than the workspace's is done (`fence`;
+    no host wait: a slot still in use is skipped), and the current stream is the
+    workspace's stream (every other device use of the old call's buffers is then ordered
+    before the new call's); otherwise `acquire` returns None and the call allocates its own
+    buffers. The buffers are allocated outside inference mode, so that a slot filled under
+    `torch.inference_mode()` can be refilled outside it.
     """
 
-    __slots__ = ("busy", "event", "host", "host_np", "dev", "views", "tables", "scratch")
+    __slots__ = ("busy", "event", "fences", "host", "dev", "host_np", "host_view", "dev_view",
+                 "views", "tables", "scratch")
     RING = 4
     """Slots per workspace."""
 
     def __init__(self) -> None:
         self.busy = False
         self.event = None
-        self.host = self.host_np = self.dev = self.views = self.tables = self.scratch = None
+        self.fences: list = []
+        self.host = self.dev = self.host_np = self.host_view = self.dev_view = None
+        self.views = self.tables = self.scratch = None
+
+    def _free(self) -> bool:
+        if self.busy or (self.event is not None and not self.event.query()):
+            return False
+        if any(not e.query() for e in self.fences):
+            return False
+        self.fences.clear()
+        return True
 
     @classmethod
     def acquire(cls, ws: GatherRSWorkspace, tables: tuple, scratch_size: int):
@@ -369,39 +383,52 @@ class _StagingSlot:
         if ws.stream is None or torch.cuda.current_stream(ws.device) != ws.stream:
             return None  # the first call, or another stream than the workspace's
         for slot in ring:
-            if not slot.busy and (slot.event is None or slot.event.query()):
+            if slot._free():
                 break
         else:
             if len(ring) >= cls.RING:
                 return None
             slot = cls()
             ring.append(slot)
+        slot._fit(ws.device, tables, scratch_size)  # may raise (allocation): not busy then
         slot.busy = True
-        slot._fit(ws.device, tables, scratch_size)
         return slot
 
     def _fit(self, device, tables: tuple, scratch_size: int) -> None:
         need = sum(tables)
-        if self.host is None or self.host.numel() != need:
-            self.host = torch.empty(need, dtype=torch.int32, pin_memory=True)
-            self.host_np = self.host.numpy()
-            self.dev = torch.empty(need, dtype=torch.int32, device=device)
-            self.tables = None
-        if self.tables != tables:
-            r2, n_base, _ = tables
-            self.views = (self.dev[:r2].view(torch.int64), self.dev[r2: r2 + n_base],
-                          self.dev[r2 + n_base:].view(-1, k.TILE_FIELDS))
-            self.tables = tables
-        if self.scratch is None or self.scratch.numel() < scratch_size:
-            self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024, dtype=torch.int32,
-                                       device=device)
+        with torch.inference_mode(False):
+            if self.host is None or self.host.numel() < need:
+                size = need + need // 8  # headroom: the host tile list's length varies
+                self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+                self.dev = torch.empty(size, dtype=torch.int32, device=device)
+                self.tables = None
+            if self.tables != tables:
+                r2, n_base, _ = tables
+                self.host_view, self.dev_view = self.host[:need], self.dev[:need]
+                self.host_np = self.host_view.numpy()
+                self.views = (self.dev[:r2].view(torch.int64), self.dev[r2: r2 + n_base],
+                              self.dev[r2 + n_base: need].view(-1, k.TILE_FIELDS))
+                self.tables = tables
+            if self.scratch is None or self.scratch.numel() < scratch_size:
+                self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024,
+                                           dtype=torch.int32, device=device)
 
-    def copy_in(self) -> None:
-        """Upload the tables (asynchronous, current stream) and record the event."""
-        self.dev.copy_(self.host, non_blocking=True)
+    def copy_in(self, device) -> None:
+        """Upload the tables (asynchronous, on `device`'s current stream) and record the
+        event there."""
+        stream = torch.cuda.current_stream(device)
+        with torch.inference_mode(False):
+            self.dev_view.copy_(self.host_view, non_blocking=True)
         if self.event is None:
             self.event = torch.cuda.Event()
-        self.event.record()
+        self.event.record(stream)
+
+    def fence(self, stream) -> None:
+        """A launch just read this slot's buffers on `stream`, which is not the workspace's:
+        the slot is reused only after that stream gets past this point."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.fences.append(event)
 
 
 class _Call:
@@ -409,7 +436,8 @@ class _Call:
 
     Construction does the host work and needs only the metadata: the tables, the arrival
     targets, one asynchronous H2D copy (into a reused `_StagingSlot` where one is free) and
-    the tile list, on the current stream; the finalize index follows with the finalize. The Megatron layer prepares the call right after it enqueues FC1, so this host
+    the tile list, on the current stream; the finalize index follows with the finalize.
+    The Megatron layer prepares the call right after it enqueues FC1, so this host
     work overlaps FC1 on the GPU. `send` launches the GEMM2 + scatter kernel and
     `finish` the finalize; `run` does both. A prepared call must be run: its arrival
     targets are already counted.
@@ -501,7 +529,7 @@ class _Call:
             buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
             buf[r2 + n_base:] = table.reshape(-1)
             if slot is not None:
-                slot.copy_in()
+                slot.copy_in(device)
             else:
                 dev = host.to(device, non_blocking=True)
                 dev_targets = dev[:r2].view(torch.int64)
@@ -523,7 +551,8 @@ class _Call:
             ep2 = max(16, triton.next_power_of_2(num_experts))
             warps = 8 if ep2 >= 256 else 4
             if tile_blocks + nb:
-                # Tile list and block counts (independent) in one launch, then the index.
+                # Tile list and block counts (independent) in one launch; the index follows
+                # with the finalize (`launch_index`).
                 segs = len(lay.segments)
                 _prepare(
                     (tile_blocks + nb,), table, self.tiles, segs, self.num_remote,
@@ -550,6 +579,15 @@ class _Call:
         slot = self.__dict__.get("_slot")
         if slot is not None:
             slot.busy = False
+
+    def _fence_slot(self) -> None:
+        """After a launch that reads this call's buffers: where it ran on another stream than
+        the workspace's, the staging slot is not reused before that stream gets there."""
+        slot = self.__dict__.get("_slot")
+        if slot is not None:
+            stream = torch.cuda.current_stream(self.device)
+            if stream != self.ws.stream:
+                slot.fence(stream)
 
     def run(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """`send` then `finish`; returns [T, H]."""
@@ -585,7 +623,9 @@ class _Call:
         key = (self.MODE, self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile)
         if self.gpu and key not in ws.compiled:
             # First call of this specialisation: line the ranks up after their JIT
-            # compilation, so that no rank's finalize waits out another's compile.
+            # compilation, so that no rank's finalize waits out another's compile (the
+            # finalize index, launched with the finalize otherwise, is compiled here too).
+            self.launch_index()
             torch.cuda.current_stream(self.device).synchronize()
             if ws.group is not None:
                 dist.barrier(group=ws.group)
@@ -598,6 +638,7 @@ class _Call:
         if not self.sent:
             raise RuntimeError("gemm_only needs a call that was run")
         tiles = self.tiles.clone()
+        self._fence_slot()
         tiles[:, 4] = self.rank
         # Into a scratch copy of this rank's buffer: peers may already store the next call's
         # rows into the real one (they wait only for this rank's finalize).
@@ -632,9 +673,9 @@ class _Call:
         once per call; `finalize` does it first (after the GEMM2 was launched)."""
         if self._indexed:
             return
-        self._indexed = True
         if self._index_args is not None and self._index_args[0][0]:
             _index(*self._index_args, **self._index_meta)
+        self._indexed = True  # after: a launch that raised is tried again
 
     def finalize(self) -> None:
         """`_finalize_kernel` on the current stream (waits for the arrivals), after the
@@ -656,6 +697,7 @@ class _Call:
             self.timeout, ws.error, C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu,
             SIGNAL_FREE=signal_free, num_warps=4,
         )
+        self._fence_slot()
         self._finalized = True
 
     def finish(self, sync_errors: bool = False) -> torch.Tensor:

@@ -72,6 +72,8 @@ def test_numpy_ints_and_unkeyed_arguments(launcher):
     launcher((1,), x, "s", BLOCK=16, EVEN=True)  # no key: the JIT, not an error
     launcher((1,), x, "s", BLOCK=16, EVEN=True)
     assert [e[0] for e in launcher.fn.log] == ["jit", "jit", "compiled", "jit", "jit"]
+    launcher((1,), x, 3, BLOCK=16, EVEN=[1])  # an unhashable keyword value: the JIT too
+    assert launcher.fn.log[-1][0] == "jit"
 
 
 def test_normal_path_off_gpu_and_when_disabled(monkeypatch):

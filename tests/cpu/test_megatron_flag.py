@@ -371,3 +371,32 @@ def test_dispatcher_keeps_megatron_counts():
     (group order, [R, E]) instead of its own; checked on EP2 and TP2 (SP)."""
     results = run_distributed(_counts_worker, 2, [(1, 2), (2, 1)], timeout_s=120)
     assert results == [[True, True], [True, True]], results
+
+
+def test_reused_host_buffers_survive_leaving_inference_mode():
+    """The dispatcher's reused counts buffer (`refill`) and a workspace's in-place tensors
+    are made outside inference mode: a buffer first filled by an inference forward is
+    refilled by a later forward outside it (torch refuses in-place updates of inference
+    tensors there)."""
+    import torch
+
+    from megatron_overlap.megatron.dispatcher import refill
+    from megatron_overlap.symm import GatherRSWorkspace
+
+    with torch.inference_mode():
+        buf = refill(None, torch.arange(6).view(2, 3), pin_memory=False)
+        ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+    assert refill(buf, torch.arange(6, 12).view(2, 3), pin_memory=False) is buf
+    assert buf.tolist() == [[6, 7, 8], [9, 10, 11]]
+    other = refill(buf, torch.zeros(3, dtype=torch.int32), pin_memory=False)
+    assert other is not buf and other.dtype == torch.int32  # new shape and dtype: new buffer
+    ws.error.zero_()
+    ws.finalize_done.zero_()
+    ws._error_host.copy_(ws.error)
+    with torch.inference_mode(False):
+        plain = torch.zeros(2)
+    with torch.inference_mode():
+        inference = torch.zeros(2)
+    plain.add_(1)
+    with pytest.raises(RuntimeError, match="[Ii]nference"):  # what the buffers avoid
+        inference.add_(1)
