@@ -77,10 +77,10 @@ def refill(buffer: Optional[torch.Tensor], src: torch.Tensor, *,
     `torch.inference_mode()` (an inference forward) could not be refilled by a later
     forward outside it (a training step), which torch refuses ("inplace update to inference
     tensor outside InferenceMode")."""
-    with torch.inference_mode(False):
-        if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
+    if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
+        with torch.inference_mode(False):
             buffer = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin_memory)
-        buffer.copy_(src, non_blocking=True)
+    buffer.copy_(src, non_blocking=True)  # a normal tensor: in place in either mode
     return buffer
 
 

@@ -396,29 +396,29 @@ class _StagingSlot:
 
     def _fit(self, device, tables: tuple, scratch_size: int) -> None:
         need = sum(tables)
-        with torch.inference_mode(False):
-            if self.host is None or self.host.numel() < need:
-                size = need + need // 8  # headroom: the host tile list's length varies
+        if self.host is None or self.host.numel() < need:
+            size = need + need // 8  # headroom: the host tile list's length varies
+            with torch.inference_mode(False):  # (views of these are normal tensors too)
                 self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
                 self.dev = torch.empty(size, dtype=torch.int32, device=device)
-                self.tables = None
-            if self.tables != tables:
-                r2, n_base, _ = tables
-                self.host_view, self.dev_view = self.host[:need], self.dev[:need]
-                self.host_np = self.host_view.numpy()
-                self.views = (self.dev[:r2].view(torch.int64), self.dev[r2: r2 + n_base],
-                              self.dev[r2 + n_base: need].view(-1, k.TILE_FIELDS))
-                self.tables = tables
-            if self.scratch is None or self.scratch.numel() < scratch_size:
-                self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024,
-                                           dtype=torch.int32, device=device)
+            self.tables = None
+        if self.tables != tables:
+            r2, n_base, _ = tables
+            self.host_view, self.dev_view = self.host[:need], self.dev[:need]
+            self.host_np = self.host_view.numpy()
+            self.views = (self.dev[:r2].view(torch.int64), self.dev[r2: r2 + n_base],
+                          self.dev[r2 + n_base: need].view(-1, k.TILE_FIELDS))
+            self.tables = tables
+        if self.scratch is None or self.scratch.numel() < scratch_size:
+            self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024,
+                                       dtype=torch.int32, device=device)
 
     def copy_in(self, device) -> None:
         """Upload the tables (asynchronous, on `device`'s current stream) and record the
         event there."""
         stream = torch.cuda.current_stream(device)
-        with torch.inference_mode(False):
-            self.dev_view.copy_(self.host_view, non_blocking=True)
+        # normal tensors (made outside inference mode): in place in either mode
+        self.dev_view.copy_(self.host_view, non_blocking=True)
         if self.event is None:
             self.event = torch.cuda.Event()
         self.event.record(stream)
