@@ -34,7 +34,8 @@ def load(path: str) -> list[dict]:
     """The complete ("X") events of a chrome trace.
 
     Raises:
-        ValueError: the file cannot be read or is not a chrome trace (names the file).
+        ValueError: the file cannot be read or is not a chrome trace, or a complete event's
+            ts / dur is not a number (names the file and the event).
     """
     try:
         with open(path) as f:
@@ -46,7 +47,17 @@ def load(path: str) -> list[dict]:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: no traceEvents list (not a torch.profiler chrome trace)")
-    return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    out = []
+    for i, e in enumerate(events):
+        if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e or "dur" not in e:
+            continue  # other phases, metadata, anything that is not an event object
+        try:
+            float(e["ts"]), float(e["dur"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: traceEvents[{i}] has ts={e['ts']!r}, dur={e['dur']!r}; "
+                             "expected numbers (microseconds)") from None
+        out.append(e)
+    return out
 
 
 def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:

@@ -102,21 +102,62 @@ def load_rows(paths: Iterable[str]) -> tuple[list[dict], dict]:
         (rows of a known schema, {"foreign": rows of other schemas, "files": files read}).
 
     Raises:
-        ValueError: a file is missing or a line is not JSON (names file and line).
+        ValueError: a file is missing or not a regular file, a line is not JSON, or a row of
+            a known schema lacks a field the report reads or has a value of the wrong kind
+            (names file, line, field and value: `check_row`).
     """
     rows, foreign, files = [], 0, 0
     for path in paths:
         file = Path(path)
-        if not file.is_file():
+        if not file.exists():
             raise ValueError(f"{path}: no such file")
+        if not file.is_file():
+            raise ValueError(f"{path}: not a regular file (a .jsonl file of rows)")
         files += 1
-        for _, row in json_rows(path):
+        try:
+            lines = list(json_rows(path))
+        except OSError as err:
+            raise ValueError(f"{path}: cannot read it ({err.strerror})") from None
+        for number, row in lines:
             if isinstance(row, dict) and row.get("schema") in SCHEMAS:
                 row.setdefault("benchmark", SCHEMAS[row["schema"]])
+                check_row(row, f"{path}:{number}")
                 rows.append(row)
             else:
                 foreign += 1
     return rows, {"foreign": foreign, "files": files}
+
+
+def _finite_positive(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def check_row(row: dict, where: str) -> None:
+    """Check the fields of a layer / prefill row that the report reads.
+
+    Raises:
+        ValueError: "WHERE: FIELD=VALUE, expected ...": model, layout, variant and
+            benchmark must be non-empty strings, seq_length an int >= 1, ms_p50 a finite
+            number > 0, own_peak_bytes None or an int >= 0, agree a bool when present.
+    """
+    def bad(field, expected):
+        raise ValueError(f"{where}: {field}={row.get(field, '<missing>')!r}, expected "
+                         f"{expected}")
+
+    for field in ("model", "layout", "variant", "benchmark"):
+        if not isinstance(row.get(field), str) or not row[field]:
+            bad(field, "a non-empty string")
+    seq = row.get("seq_length")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        bad("seq_length", "an int >= 1")
+    if not _finite_positive(row.get("ms_p50")):
+        bad("ms_p50", "a finite number of milliseconds > 0")
+    own = row.get("own_peak_bytes")
+    if own is not None and (isinstance(own, bool) or not isinstance(own, int) or own < 0):
+        bad("own_peak_bytes", "null or an int >= 0")
+    if "agree" in row and not isinstance(row["agree"], bool):
+        bad("agree", "true or false")
 
 
 def select_rows(rows: list[dict], *, include_cpu: bool = False) -> tuple[list[dict], dict]:
@@ -522,8 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep rows measured on a CPU (tests; not benchmark numbers)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     args = parser.parse_args(argv)
-    if Path(args.out).is_dir():
-        parser.error(f"--out {args.out!r} is a directory: give the report's file path")
+    if not args.out or Path(args.out).is_dir():
+        parser.error(f"--out {args.out!r}: expected the report's file path (not a directory)")
     try:
         raw, notes = load_rows(args.jsonl)
     except ValueError as err:
@@ -537,14 +578,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plots = {}
-    for benchmark in ("layer", "prefill"):
-        groups = workloads(rows, benchmark)
-        png = out.with_name(f"{out.stem}_{benchmark}.png")
-        if groups and not args.no_plots and plot(groups, benchmark, str(png)):
-            plots[benchmark] = png.name
-    out.write_text(render(rows, notes, args.jsonl, args.out, plots))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plots = {}
+        for benchmark in ("layer", "prefill"):
+            groups = workloads(rows, benchmark)
+            png = out.with_name(f"{out.stem}_{benchmark}.png")
+            if groups and not args.no_plots and plot(groups, benchmark, str(png)):
+                plots[benchmark] = png.name
+        out.write_text(render(rows, notes, args.jsonl, args.out, plots))
+    except OSError as err:
+        print(f"make_report: cannot write {args.out} or its PNGs: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {out} ({len(rows)} rows" + "".join(
         f", {out.with_name(p)}" for p in plots.values()) + ")", file=sys.stderr)
     return 0

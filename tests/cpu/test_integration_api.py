@@ -43,7 +43,16 @@ def test_command_line_arguments():
     assert apply_gatherrs_args(_config(), bare).moe_gatherrs_prereduce is True  # as before
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-gatherrs-backend", "cuda"])
-    bad = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-num-comm-ctas", "0"])
+    # Out-of-range values are refused when parsed (argparse: exit 2, value named) ...
+    for flag, text in (("--moe-gatherrs-num-comm-ctas", "0"), ("--moe-gatherrs-num-comm-ctas",
+                                                                "-1"),
+                       ("--moe-gatherrs-num-comm-ctas", "x"), ("--moe-gatherrs-timeout-s", "0"),
+                       ("--moe-gatherrs-timeout-s", "nan"), ("--moe-gatherrs-timeout-s", "inf")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--moe-gatherrs-overlap", flag, text])
+    # ... and by apply_gatherrs_args for a Namespace made otherwise.
+    bad = parser.parse_args(["--moe-gatherrs-overlap"])
+    bad.moe_gatherrs_num_comm_ctas = 0
     with pytest.raises(ValueError, match="moe_gatherrs_num_comm_ctas=0"):
         apply_gatherrs_args(_config(), bad)
     # Flag on from the command line still checks the rest of the config.
@@ -52,7 +61,8 @@ def test_command_line_arguments():
         apply_gatherrs_args(_config(add_bias_linear=True), on)
     # A rejected call leaves the config as it was; a Namespace without the fields is named.
     config = _config()
-    nan = parser.parse_args(["--moe-gatherrs-overlap", "--moe-gatherrs-timeout-s", "nan"])
+    nan = parser.parse_args(["--moe-gatherrs-overlap"])
+    nan.moe_gatherrs_timeout_s = float("nan")
     with pytest.raises(ValueError, match="timeout"):
         apply_gatherrs_args(config, nan)
     assert config.moe_gatherrs_overlap is False and config.moe_gatherrs_timeout_s == 30.0

@@ -165,6 +165,42 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert not out.exists() and "no layer or prefill rows" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"model": None}, "model=None, expected a non-empty string"),
+    ({"ms_p50": "fast"}, "ms_p50='fast', expected a finite number of milliseconds > 0"),
+    ({"ms_p50": 0}, "ms_p50=0, expected a finite"),
+    ({"ms_p50": float("nan")}, "ms_p50=nan, expected a finite"),
+    ({"ms_p50": -1.0}, "ms_p50=-1.0, expected a finite"),
+    ({"seq_length": "4096"}, "seq_length='4096', expected an int >= 1"),
+    ({"own_peak_bytes": "x"}, "own_peak_bytes='x', expected null or an int >= 0"),
+    ({"agree": "yes"}, "agree='yes', expected true or false"),
+])
+def test_malformed_rows_are_named(tmp_path, capsys, change, message):
+    rows = _layer_rows()
+    rows[1].update(change)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        mr.main([str(data), "--out", str(tmp_path / "r.md"), "--no-plots"])
+    assert exc.value.code == 2
+    assert f"rows.jsonl:2: {message}" in capsys.readouterr().err
+
+
+def test_bad_paths_exit_2(tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _layer_rows()) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        mr.main([str(tmp_path)])  # a directory as input
+    assert exc.value.code == 2 and "not a regular file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        mr.main([str(data), "--out", ""])
+    assert exc.value.code == 2 and "expected the report's file path" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert mr.main([str(data), "--out", str(blocker / "r.md"), "--no-plots"]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
 def test_operator_table_refuses_layer_rows(tmp_path):
     from megatron_overlap.bench import report
 

@@ -189,3 +189,19 @@ def test_launchers_reject_bad_values(script, args, message, tmp_path):
     proc = subprocess.run([sys.executable, str(launch), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_trace_summary_skips_non_events_and_names_bad_times(tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "trace_summary.py"
+    spec = importlib.util.spec_from_file_location("trace_summary_launcher", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    good = {"ph": "X", "ts": 1, "dur": 2, "name": "k", "cat": "kernel"}
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [1, "x", None, {"ph": "M"}, good]}))
+    assert module.load(str(trace)) == [good]
+    trace.write_text(json.dumps({"traceEvents": [good, {"ph": "X", "ts": "a", "dur": 1}]}))
+    with pytest.raises(ValueError, match=r"t.json: traceEvents\[1\] has ts='a'"):
+        module.load(str(trace))
