@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 
 from megatron_overlap.metadata import GatherRSMetadata
 
@@ -125,14 +125,11 @@ def gatherrs_reference(
     """
     send = gather_slots(y, meta.gather_index).to(y.dtype)
     if meta.group_size > 1:
-        recv = send.new_empty(int(meta.recv_slots.sum()), send.shape[1])
-        recv = dist_fn.all_to_all_single(
-            recv,
-            send,
-            output_split_sizes=meta.split_sizes(meta.recv_slots),
-            input_split_sizes=meta.split_sizes(meta.send_slots),
-            group=group,
-        )
+        # torch's autograd all-to-all (its gradient is the reverse all-to-all); waited on
+        # here, so the result is a plain tensor
+        recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(
+            send.contiguous(), meta.split_sizes(meta.recv_slots),
+            meta.split_sizes(meta.send_slots), group))
     else:
         recv = send
 

@@ -37,7 +37,11 @@ from megatron_overlap.metadata import (
 )
 from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs_config
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
-from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps, triton_unavailable_reason
+from megatron_overlap.ops.gemm2_gatherrs import (
+    all_gather_flat,
+    gather_routing_maps,
+    triton_unavailable_reason,
+)
 from megatron_overlap.profiling import span
 from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
 
@@ -47,10 +51,6 @@ def _as_list(splits) -> List[int]:
     if isinstance(splits, torch.Tensor):
         return [int(x) for x in splits.tolist()]
     return [int(x) for x in splits]
-
-
-# torch >= 2.13 renames all_gather_into_tensor (and warns on the old name); 2.11 has only it.
-_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def tokens_per_rank(counts: np.ndarray, num_experts: int, topk: int,
@@ -93,7 +93,7 @@ def _all_gather_varsize(t: torch.Tensor, sizes: List[int], group) -> torch.Tenso
     padded = t.new_zeros(width)
     padded[: t.numel()] = t
     out = t.new_empty(width * len(sizes))
-    _all_gather_flat(out, padded, group=group)
+    all_gather_flat(out, padded, group=group)
     return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
 
@@ -205,7 +205,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
                 if self.tp_size * self.ep_size > 1:
                     gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
-                    _all_gather_flat(gathered, counts, group=self.tp_ep_group)
+                    all_gather_flat(gathered, counts, group=self.tp_ep_group)
                     counts = gathered
         counts = counts.view(self.tp_size * self.ep_size, -1)
         if counts.is_cuda:

@@ -38,6 +38,10 @@ def _peer_access_reason(device_index: int, group_size: int) -> Optional[str]:
     return None
 
 
+# torch >= 2.13 renames all_gather_into_tensor (and warns on the old name); 2.11 has only it.
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def triton_unavailable_reason(h: torch.Tensor, w2: torch.Tensor,
                               group: Optional[dist.ProcessGroup]) -> Optional[str]:
     """Why the Triton kernels cannot run this call, or None when they can."""
@@ -239,7 +243,7 @@ def gather_routing_maps(routing_map: torch.Tensor, group: Optional[dist.ProcessG
         size = torch.tensor([routing_map.shape[0]], dtype=torch.int64,
                             device=routing_map.device)
         gathered = torch.empty(world, dtype=torch.int64, device=routing_map.device)
-        dist.all_gather_into_tensor(gathered, size, group=group)
+        all_gather_flat(gathered, size, group=group)
         sizes = [int(x) for x in gathered.tolist()]
     top = max(sizes)
     if top == 0:  # no tokens anywhere: nothing to gather (every rank knows it)
@@ -248,7 +252,7 @@ def gather_routing_maps(routing_map: torch.Tensor, group: Optional[dist.ProcessG
     padded = routing_map.new_zeros(top, routing_map.shape[1]).view(torch.uint8)
     padded[: routing_map.shape[0]] = routing_map.view(torch.uint8)
     out = padded.new_empty(world * top, routing_map.shape[1])
-    dist.all_gather_into_tensor(out, padded, group=group)
+    all_gather_flat(out, padded, group=group)
     out = out.view(torch.bool).view(world, top, -1)
     return [out[d, : sizes[d]] for d in range(world)]
 
