@@ -73,10 +73,10 @@ def refill(buffer: Optional[torch.Tensor], src: torch.Tensor, *,
     """`src` copied into `buffer` (non-blocking), or into a new host buffer of src's shape and
     dtype when `buffer` is None or does not match; returns the buffer.
 
-    The buffer is allocated and filled outside inference mode: one made under
-    `torch.inference_mode()` (an inference forward) could not be refilled by a later
-    forward outside it (a training step), which torch refuses ("inplace update to inference
-    tensor outside InferenceMode")."""
+    The buffer is allocated outside inference mode: one made under `torch.inference_mode()`
+    (an inference forward) could not be refilled by a later forward outside it (a training
+    step), which torch refuses ("inplace update to inference tensor outside
+    InferenceMode"); a normal tensor is refilled in either mode."""
     if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
         with torch.inference_mode(False):
             buffer = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin_memory)
