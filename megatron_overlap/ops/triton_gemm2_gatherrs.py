@@ -399,7 +399,8 @@ class _StagingSlot:
         if self.host is None or self.host.numel() < need:
             size = need + need // 8  # headroom: the host tile list's length varies
             with torch.inference_mode(False):  # (views of these are normal tensors too)
-                self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+                self.host = torch.empty(size, dtype=torch.int32,
+                                        pin_memory=torch.device(device).type == "cuda")
                 self.dev = torch.empty(size, dtype=torch.int32, device=device)
             self.tables = None
         if self.tables != tables:

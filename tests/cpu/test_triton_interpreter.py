@@ -309,3 +309,70 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.exit("run with TRITON_INTERPRET=1")
     print(json.dumps(_simulate()))
+
+
+def test_staging_slot_reuse_rules(monkeypatch):
+    """`_StagingSlot.acquire` (GPU-only in use; here with stand-in streams and events on
+    CPU tensors): a slot is reused only when its call is gone, its upload is done, every
+    fence on another stream is passed and the current stream is the workspace's; the ring
+    stays bounded; an allocation failure leaves no slot busy; reused buffers are normal
+    tensors even when first made under inference mode."""
+    import types
+
+    import torch
+
+    from megatron_overlap.ops import triton_gemm2_gatherrs as tg
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def record(self, stream=None):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+    streams = {"current": "main"}
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams["current"])
+    ws = types.SimpleNamespace(staging_slots=[], stream=None, device=torch.device("cpu"))
+    tables = (4, 6, 12)
+    assert tg._StagingSlot.acquire(ws, tables, 100) is None  # first call: no stream yet
+    ws.stream = "main"
+    with torch.inference_mode():
+        a = tg._StagingSlot.acquire(ws, tables, 100)
+    assert a is not None and a.busy and not a.host.is_inference()
+    a.host_np[:] = 7
+    a.copy_in("cpu")
+    assert torch.equal(a.dev_view, torch.full((22,), 7, dtype=torch.int32))
+    assert [v.shape for v in a.views] == [(2,), (6,), (2, 6)]
+    b = tg._StagingSlot.acquire(ws, tables, 100)
+    assert b is not None and b is not a  # a is busy (its call is alive)
+    a.busy = False  # a's call was collected ...
+    c = tg._StagingSlot.acquire(ws, tables, 100)
+    assert c not in (a, b)  # ... but its upload is not done
+    a.event.done = True
+    assert tg._StagingSlot.acquire(ws, tables, 100) is a  # now it is free
+    a.busy = False
+    a.fence("side")  # a finalize read a's buffers on another stream
+    d = tg._StagingSlot.acquire(ws, tables, 100)
+    assert d not in (a, b, c) and len(ws.staging_slots) == 4
+    assert tg._StagingSlot.acquire(ws, tables, 100) is None  # ring full, none free
+    a.fences[0].done = True
+    assert tg._StagingSlot.acquire(ws, (4, 6, 42), 5000) is a  # bigger tables: refitted
+    assert a.host.numel() >= 52 and a.scratch.numel() >= 5000 and not a.fences
+    streams["current"] = "other"
+    for slot in ws.staging_slots:
+        slot.busy = False
+    assert tg._StagingSlot.acquire(ws, tables, 100) is None  # not the workspace's stream
+    streams["current"] = "main"
+    ws.staging_slots[:] = []
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(torch, "empty", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tg._StagingSlot.acquire(ws, tables, 100)
+    assert [s.busy for s in ws.staging_slots] == [False]
