@@ -20,6 +20,9 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
                 runs interleaved with ours_prepared's; row field max_rel_err_prereduced_mode
   ours_auto     whichever of the two the resource manager picks (GatherRSOptions' default
                 prereduce="auto"; row field auto_mode): the same runs, not timed again
+  ours_e2e, ours_prereduced_e2e  the two modes with their preparation inside the timed
+                region (after the queue sleep): uploads, table kernels and, pre-reduced, the
+                routing-map all-gather, which ours_prepared / ours_prereduced leave out
   ours_host     (breakdown) host time to enqueue one call (tables, copies, launches)
   ours_finalize (breakdown) the finalize kernel alone (arrivals already in)
   bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
@@ -62,6 +65,7 @@ from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions
 from megatron_overlap.models import load_model_shape
 from megatron_overlap.ops import gemm2_gatherrs
+from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps
 from megatron_overlap.reference import gatherrs_reference
 
 MODELS = ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "phi-3.5-moe", "qwen3-30b-a3b",
@@ -134,23 +138,28 @@ def timed_prepared(prepare, h, w2, args):
     return timed_prepared_interleaved([prepare], h, w2, args)[0]
 
 
-def timed_prepared_interleaved(prepares, h, w2, args):
+def timed_prepared_interleaved(prepares, h, w2, args, *, prepare_timed: bool = False):
     """`timed_prepared` for several configurations at once, their runs interleaved (round r
     runs every configuration once, starting at a different one each round), so that a slow
     phase of the machine hits all of them alike instead of one configuration's whole sample.
-    Returns one p20/p50/p80 dict per entry of `prepares`."""
+    With `prepare_timed` the preparation runs inside the timed region, after the queue sleep:
+    its GPU work (uploads, table kernels, a routing-map gather) is timed and its host work
+    hides behind the queue as far as --queue-ms reaches. Returns one p20/p50/p80 dict per
+    entry of `prepares`."""
     times = [[] for _ in prepares]
     n = len(prepares)
     for r in range(args.warmup + args.iters):
         for j in range(n):
             i = (r + j) % n
-            pending = prepares[i]()
+            pending = None if prepare_timed else prepares[i]()
             torch.cuda.synchronize()
             dist.barrier()
             _queue_gpu(getattr(args, "queue_ms", 0.0))
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
+            if prepare_timed:
+                pending = prepares[i]()
             pending.run(h, w2)
             end.record()
             end.synchronize()
@@ -297,6 +306,18 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         # The op as the Megatron layer runs it: the mode the resource manager picks.
         results["ours_auto"] = results["ours_prereduced" if plan.mode == "prereduce"
                                        else "ours_prepared"]
+        # Both modes with their preparation timed too (the mode model leaves it out); the
+        # pre-reduced one with the routing-map all-gather, as the Megatron dispatcher does.
+        sizes = [int(m.shape[0]) for m in maps]
+
+        def prepare_prereduced_gathered():
+            return PreReducedCall(meta, ws, plan, hidden=hidden, dtype=h.dtype,
+                                  device=device, timeout_s=30.0,
+                                  routing_maps=gather_routing_maps(dev_maps[rank], group,
+                                                                   sizes))
+
+        results["ours_e2e"], results["ours_prereduced_e2e"] = timed_prepared_interleaved(
+            [prepare, prepare_prereduced_gathered], h, w2, args, prepare_timed=True)
         results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters, args.queue_ms)
         variant_errs = {}
         for name in args.variants:  # other tile configurations / schedules, same inputs

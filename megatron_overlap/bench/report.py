@@ -9,7 +9,9 @@ topk, rows, remote_bytes, provider ("gemm", "megatron", "prereduced", "ours", "o
 runs it, direct mode; "ours_prereduced": the same in the pre-reduced mode
 (`GatherRSOptions.prereduce`; its error vs the reference in max_rel_err_prereduced_mode);
 "ours_auto": whichever of the two the resource manager picks (field auto_mode: "direct" or
-"prereduce"; the same runs, not timed again); breakdown rows "ours_host",
+"prereduce"; the same runs, not timed again); "ours_e2e" / "ours_prereduced_e2e": the
+two modes with their preparation timed too (uploads, table kernels, the pre-reduced mode's
+routing-map all-gather; from v4.5); breakdown rows "ours_host",
 "ours_finalize" where present; exploration rows
 "ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts), p20_ms / p50_ms /
 p80_ms (the slowest rank's), queue_ms (GPU sleep before each timed run, hiding the host's
