@@ -294,9 +294,14 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
 
         dev_maps = [m.to(device) for m in maps]
 
-        def prepare_prereduced():
-            return PreReducedCall(meta, ws, plan, hidden=hidden, dtype=h.dtype,
-                                  device=device, timeout_s=30.0, routing_maps=dev_maps)
+        sizes = [int(m.shape[0]) for m in maps]
+
+        def prepare_prereduced(gather: bool = False):
+            # gather: the routing maps all-gathered here, as the Megatron dispatcher does
+            return PreReducedCall(
+                meta, ws, plan, hidden=hidden, dtype=h.dtype, device=device, timeout_s=30.0,
+                routing_maps=(gather_routing_maps(dev_maps[rank], group, sizes) if gather
+                              else dev_maps))
 
         pre_out = prepare_prereduced().run(h, w2)
         err_prereduced = float((pre_out.float() - ref.float()).abs().max()
@@ -308,16 +313,9 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                                        else "ours_prepared"]
         # Both modes with their preparation timed too (the mode model leaves it out); the
         # pre-reduced one with the routing-map all-gather, as the Megatron dispatcher does.
-        sizes = [int(m.shape[0]) for m in maps]
-
-        def prepare_prereduced_gathered():
-            return PreReducedCall(meta, ws, plan, hidden=hidden, dtype=h.dtype,
-                                  device=device, timeout_s=30.0,
-                                  routing_maps=gather_routing_maps(dev_maps[rank], group,
-                                                                   sizes))
-
         results["ours_e2e"], results["ours_prereduced_e2e"] = timed_prepared_interleaved(
-            [prepare, prepare_prereduced_gathered], h, w2, args, prepare_timed=True)
+            [prepare, lambda: prepare_prereduced(gather=True)], h, w2, args,
+            prepare_timed=True)
         results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters, args.queue_ms)
         variant_errs = {}
         for name in args.variants:  # other tile configurations / schedules, same inputs

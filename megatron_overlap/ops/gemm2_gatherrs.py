@@ -56,27 +56,16 @@ def triton_unavailable_reason(h: torch.Tensor, w2: torch.Tensor,
     return _group_reason(group, h.device.index or 0)
 
 
-_GROUP_REASONS: dict = {}
-"""id(group) -> (group, {device index: reason}); the group is kept, so its id is not reused."""
-
-
+@functools.lru_cache(maxsize=None)
 def _group_reason(group: dist.ProcessGroup, device_index: int) -> Optional[str]:
     """The process group's part of `triton_unavailable_reason` (its size, backend and the
-    node's peer access do not change during a group's life): worked out once per group and
-    device, as the Megatron dispatcher asks twice per forward."""
-    entry = _GROUP_REASONS.get(id(group))
-    if entry is None or entry[0] is not group:
-        entry = _GROUP_REASONS[id(group)] = (group, {})
-    reasons = entry[1]
-    if device_index not in reasons:
-        reason = None
-        if dist.get_world_size(group) > 1:
-            if dist.get_backend(group) != "nccl":
-                reason = f"the process group backend is {dist.get_backend(group)}, expected nccl"
-            else:
-                reason = _peer_access_reason(device_index, dist.get_world_size(group))
-        reasons[device_index] = reason
-    return reasons[device_index]
+    node's peer access do not change during a group's life): worked out once per group
+    (hashed by identity) and device, as the Megatron dispatcher asks twice per forward."""
+    if dist.get_world_size(group) <= 1:
+        return None
+    if dist.get_backend(group) != "nccl":
+        return f"the process group backend is {dist.get_backend(group)}, expected nccl"
+    return _peer_access_reason(device_index, dist.get_world_size(group))
 
 
 def resolve_backend(backend: str, h: torch.Tensor, w2: torch.Tensor,

@@ -338,7 +338,7 @@ def _ensure_allocator() -> None:
 
 
 class _StagingSlot:
-    """Per-call buffers that a workspace keeps for reuse (GPU, direct mode): a pinned host
+    """Per-call buffers that a workspace keeps for reuse (direct mode, CUDA): a pinned host
     buffer of the call's tables (targets, finalize bases, segments) with the event of its
     last upload, their device copy with its views, and the device scratch (tile list, block
     counts, finalize index). Saves a pinned and two device allocations, and the views, per
@@ -350,8 +350,8 @@ class _StagingSlot:
     launch that read its buffers on another stream than the workspace's is done (`fence`;
     no host wait: a slot still in use is skipped), and the current stream is the
     workspace's stream (every other device use of the old call's buffers is then ordered
-    before the new call's); otherwise `acquire` returns None and the call allocates its own
-    buffers. The buffers are allocated outside inference mode, so that a slot filled under
+    before the new call's); otherwise `acquire` returns None and the call fills a slot of its
+    own (`fit`, as off CUDA), which the workspace does not keep. The buffers are allocated outside inference mode, so that a slot filled under
     `torch.inference_mode()` can be refilled outside it.
     """
 
@@ -390,11 +390,13 @@ class _StagingSlot:
                 return None
             slot = cls()
             ring.append(slot)
-        slot._fit(ws.device, tables, scratch_size)  # may raise (allocation): not busy then
+        slot.fit(ws.device, tables, scratch_size)  # may raise (allocation): not busy then
         slot.busy = True
         return slot
 
-    def _fit(self, device, tables: tuple, scratch_size: int) -> None:
+    def fit(self, device, tables: tuple, scratch_size: int) -> None:
+        """Room for `tables` and `scratch_size` int32 of scratch (reallocated only when too
+        small; the host buffer pinned on a CUDA device), with views for these tables."""
         need = sum(tables)
         if self.host is None or self.host.numel() < need:
             size = need + need // 8  # headroom: the host tile list's length varies
@@ -416,7 +418,10 @@ class _StagingSlot:
 
     def copy_in(self, device) -> None:
         """Upload the tables (asynchronous, on `device`'s current stream) and record the
-        event there."""
+        event there; off CUDA, a plain copy."""
+        if torch.device(device).type != "cuda":
+            self.dev_view.copy_(self.host_view)
+            return
         stream = torch.cuda.current_stream(device)
         # normal tensors (made outside inference mode): in place in either mode
         self.dev_view.copy_(self.host_view, non_blocking=True)
@@ -519,30 +524,19 @@ class _Call:
             # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, and
             # the segments (or, with the host tile list, the tiles); the buffers of a free
             # staging slot of the workspace when there is one (`_StagingSlot`).
+            # (else a slot of this call's own, not kept by the workspace)
             slot = self._slot = _StagingSlot.acquire(ws, tables, sum(sizes)) if self.gpu else None
-            if slot is not None:
-                buf = slot.host_np
-                dev_targets, self.finalize_base, dev_table = slot.views
-            else:
-                host = torch.empty(sum(tables), dtype=torch.int32, pin_memory=self.gpu)
-                buf = host.numpy()
+            if slot is None:
+                slot = _StagingSlot()
+                slot.fit(device, tables, sum(sizes))
+            buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
             buf[r2 + n_base:] = table.reshape(-1)
-            if slot is not None:
-                slot.copy_in(device)
-            else:
-                dev = host.to(device, non_blocking=True)
-                dev_targets = dev[:r2].view(torch.int64)
-                self.finalize_base = dev[r2: r2 + n_base]
-                dev_table = dev[r2 + n_base:].view(-1, k.TILE_FIELDS)
-            self.targets = dev_targets
-            table = dev_table
+            slot.copy_in(device)
+            self.targets, self.finalize_base, table = slot.views
         with span("mo.prepare_kernels"):
-            if slot is not None:
-                scratch = slot.scratch[: sum(sizes)]
-            else:
-                scratch = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+            scratch = slot.scratch[: sum(sizes)]
             tiles = scratch[: sizes[0]]
             block_counts = scratch[sizes[0]: sizes[0] + sizes[1]]
             index = scratch[sizes[0] + sizes[1]:]

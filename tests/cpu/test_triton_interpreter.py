@@ -344,7 +344,7 @@ def test_staging_slot_reuse_rules(monkeypatch):
         a = tg._StagingSlot.acquire(ws, tables, 100)
     assert a is not None and a.busy and not a.host.is_inference()
     a.host_np[:] = 7
-    a.copy_in("cpu")
+    a.copy_in("cuda")  # the CUDA branch (stand-in stream and event; CPU tensors)
     assert torch.equal(a.dev_view, torch.full((22,), 7, dtype=torch.int32))
     assert [v.shape for v in a.views] == [(2,), (6,), (2, 6)]
     b = tg._StagingSlot.acquire(ws, tables, 100)
