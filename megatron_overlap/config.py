@@ -155,31 +155,6 @@ PREREDUCE_CHOICES = {"auto": "auto", "on": True, "off": False}
 """Command-line spellings of `moe_gatherrs_prereduce` and their config values."""
 
 
-def comm_ctas_arg(text: str) -> int:
-    """argparse type of `--moe-gatherrs-num-comm-ctas`: an int >= 1 (the GPU's SM count is
-    checked when the plan is made)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
-
-
-def timeout_arg(text: str) -> float:
-    """argparse type of `--moe-gatherrs-timeout-s`: seconds in `TIMEOUT_RANGE_S`."""
-    low, high = TIMEOUT_RANGE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and low <= value <= high):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds in "
-                                         f"[{low:g}, {high:g}]")
-    return value
-
-
 def prereduce_arg(text: str) -> Union[bool, str]:
     """argparse type of `--moe-gatherrs-prereduce` / `--prereduce`: auto, on or off."""
     if text not in PREREDUCE_CHOICES:

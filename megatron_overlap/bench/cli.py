@@ -51,6 +51,22 @@ def positive_float(text: str) -> float:
     return value
 
 
+def float_in(low: float, high: float):
+    """An argparse type: a number in [low, high] (finite)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not low <= value <= high:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a number in "
+                                             f"[{low:g}, {high:g}]")
+        return value
+
+    return parse
+
+
 def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int, per: str,
                     iters_help: str = "") -> None:
     """--warmup, --iters and --seed, as every GPU launcher takes them (`per` says what one

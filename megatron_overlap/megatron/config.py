@@ -15,13 +15,13 @@ from typing import Optional, Union
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_overlap.bench.cli import float_in, positive_int
 from megatron_overlap.config import (
     BACKENDS,
     DEFAULT_TIMEOUT_S,
+    TIMEOUT_RANGE_S,
     GatherRSOptions,
-    comm_ctas_arg,
     prereduce_arg,
-    timeout_arg,
 )
 
 FLAG = "moe_gatherrs_overlap"
@@ -144,9 +144,10 @@ def add_gatherrs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Run the MoE return path as one fused GEMM2 + GatherRS operation.")
     group.add_argument("--moe-gatherrs-backend", choices=BACKENDS, default="auto",
                        help="Fused-path backend (default: auto).")
-    group.add_argument("--moe-gatherrs-num-comm-ctas", type=comm_ctas_arg, default=None,
+    group.add_argument("--moe-gatherrs-num-comm-ctas", type=positive_int, default=None,
                        help="Communication CTAs (default: chosen by the resource manager).")
-    group.add_argument("--moe-gatherrs-timeout-s", type=timeout_arg, default=DEFAULT_TIMEOUT_S,
+    group.add_argument("--moe-gatherrs-timeout-s", type=float_in(*TIMEOUT_RANGE_S),
+                       default=DEFAULT_TIMEOUT_S,
                        help="Bound on every GPU spin-wait, seconds.")
     group.add_argument("--moe-gatherrs-prereduce", type=prereduce_arg, default="auto",
                        nargs="?", const=True, metavar="{auto,on,off}",

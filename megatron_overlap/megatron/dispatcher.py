@@ -39,6 +39,7 @@ from megatron_overlap.megatron.config import gatherrs_options, validate_gatherrs
 from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
 from megatron_overlap.ops.gemm2_gatherrs import (
     all_gather_flat,
+    all_gather_varsize,
     gather_routing_maps,
     triton_unavailable_reason,
 )
@@ -82,19 +83,6 @@ def refill(buffer: Optional[torch.Tensor], src: torch.Tensor, *,
             buffer = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin_memory)
     buffer.copy_(src, non_blocking=True)  # a normal tensor: in place in either mode
     return buffer
-
-
-def _all_gather_varsize(t: torch.Tensor, sizes: List[int], group) -> torch.Tensor:
-    """Concatenate every rank's 1-D `t` (rank r holds sizes[r] elements) in group order.
-
-    Padded to the largest size so it also runs on gloo, whose all-gather needs equal sizes.
-    """
-    width = max(sizes)
-    padded = t.new_zeros(width)
-    padded[: t.numel()] = t
-    out = t.new_empty(width * len(sizes))
-    all_gather_flat(out, padded, group=group)
-    return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
 
 class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -289,7 +277,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         ).transpose(1, 0, 2)
         if self.tp_size > 1:
             sizes = [int(x) for x in per_source[:, :, :].sum(axis=(1, 2))]
-            row_slot = _all_gather_varsize(row_slot, sizes, self.tp_group)
+            row_slot = torch.cat(all_gather_varsize(row_slot, sizes, self.tp_group))
         if nle > 1:
             row_slot, _ = sort_chunks_by_idxs(
                 row_slot.unsqueeze(1),

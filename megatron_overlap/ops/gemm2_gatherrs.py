@@ -234,16 +234,26 @@ def gather_routing_maps(routing_map: torch.Tensor, group: Optional[dist.ProcessG
         gathered = torch.empty(world, dtype=torch.int64, device=routing_map.device)
         all_gather_flat(gathered, size, group=group)
         sizes = [int(x) for x in gathered.tolist()]
-    top = max(sizes)
-    if top == 0:  # no tokens anywhere: nothing to gather (every rank knows it)
+    if max(sizes) == 0:  # no tokens anywhere: nothing to gather (every rank knows it)
         return [routing_map.new_zeros(0, routing_map.shape[1]).view(torch.bool)
                 for _ in range(world)]
-    padded = routing_map.new_zeros(top, routing_map.shape[1]).view(torch.uint8)
-    padded[: routing_map.shape[0]] = routing_map.view(torch.uint8)
-    out = padded.new_empty(world * top, routing_map.shape[1])
+    return [m.view(torch.bool)
+            for m in all_gather_varsize(routing_map.view(torch.uint8), sizes, group)]
+
+
+def all_gather_varsize(t: torch.Tensor, sizes: Sequence[int],
+                       group: dist.ProcessGroup) -> List[torch.Tensor]:
+    """Every rank's `t` in group order (rank r's has sizes[r] rows along dim 0, the other
+    dims alike on every rank), as views of one buffer: one all-gather of the tensors padded
+    to the largest size, so that it also runs on gloo, whose all-gather needs equal sizes.
+    Every rank must pass the same `sizes`."""
+    top = max(sizes)
+    padded = t.new_zeros((top, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    out = t.new_empty((len(sizes) * top, *t.shape[1:]))
     all_gather_flat(out, padded, group=group)
-    out = out.view(torch.bool).view(world, top, -1)
-    return [out[d, : sizes[d]] for d in range(world)]
+    out = out.view(len(sizes), top, *t.shape[1:])
+    return [out[r, :n] for r, n in enumerate(sizes)]
 
 
 def gemm2_gatherrs(

@@ -73,10 +73,16 @@ arrival atomics at T / 32 per destination."""
 _reduce_send = FastLauncher(k._reduce_send_kernel)
 
 
+def _send_block(gpu: bool) -> tuple:
+    """(tokens, columns) per `_reduce_send_kernel` CTA: `REDUCE_SEND_BLOCK`, or the
+    interpreter's (8, 16). The launch and the arrival counts (`send_blocks`) must agree."""
+    return REDUCE_SEND_BLOCK if gpu else (8, 16)
+
+
 def send_blocks(num_tokens: int, gpu: bool) -> int:
     """`_reduce_send_kernel` CTAs for a destination with `num_tokens` tokens: the arrivals
     that destination expects from each source (0 without tokens)."""
-    bt = REDUCE_SEND_BLOCK[0] if gpu else 8
+    bt = _send_block(gpu)[0]
     if num_tokens <= 0:
         return 0
     return -(-num_tokens // bt)
@@ -243,7 +249,7 @@ class PreReducedCall(_Call):
             y_ptrs = torch.full((num_ranks,), self.y.data_ptr(), dtype=torch.int64,
                                 device=self.device)
             super()._launch(tiles, grid, 0, num_local, recv_ptrs=y_ptrs)
-        bt, bh = REDUCE_SEND_BLOCK if self.gpu else (8, 16)
+        bt, bh = _send_block(self.gpu)
         if self.send_ctas:  # every destination in one launch (send order: remote first)
             _reduce_send(
                 (self.send_ctas,), self.y, self.rowy, self.send_table, ws.peer_recv_ptrs,
