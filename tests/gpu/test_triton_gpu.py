@@ -322,7 +322,7 @@ def test_flag_on_auto_takes_the_prereduced_mode_where_the_link_is_slow(world, tm
     cases = [dataclasses.replace(c, dtype=torch.bfloat16, check_grads=False, backend="triton",
                                  prereduce="auto")
              for c in flag_suite._cases(world) if not c.model]
-    results = run_distributed(flag_suite._worker, world, cases, timeout_s=400,
+    results = run_distributed(flag_suite._worker, world, cases, timeout_s=200,
                               backend="nccl", device="cuda")
     flag_suite.check_results(world, cases, results)
     for per_rank in results:
