@@ -39,6 +39,7 @@ other operator workloads; bit-identical to the reference path.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -55,6 +56,7 @@ from megatron_overlap.ops.triton_gemm2_gatherrs import (
     DirectLayout,
     TileConfig,
     _Call,
+    _StagingSlot,
     _index,
     _prepare,
     destination_order,
@@ -86,6 +88,16 @@ def send_blocks(num_tokens: int, gpu: bool) -> int:
     if num_tokens <= 0:
         return 0
     return -(-num_tokens // bt)
+
+
+@functools.lru_cache(maxsize=8)
+def _all_slots(num_tokens: int, num_ranks: int, device: torch.device) -> torch.Tensor:
+    """int32 [T, R] on `device`: slot s * T + t in column s of row t, the pre-reduced
+    finalize index when every token has an expert on every source's EP rank (EP = 1).
+    Cached (read only): it depends on the shapes alone."""
+    with torch.inference_mode(False):  # a normal tensor: usable in training forwards too
+        return (torch.arange(num_ranks, dtype=torch.int32, device=device)[None, :] * num_tokens
+                + torch.arange(num_tokens, dtype=torch.int32, device=device)[:, None])
 
 
 class PreReducedCall(_Call):
@@ -172,63 +184,77 @@ class PreReducedCall(_Call):
         send = np.concatenate([order, np.cumsum([0] + blocks), self.tokens,
                                row_start]).astype(np.int32)
         self.send_ctas = int(sum(blocks))
+        self.k = max(1, min(int(meta.topk or num_local), num_local))
+        bt = INDEX_BLOCK_TOKENS if self.gpu else 16
+        nbs = [-(-t // bt) for t in self.tokens]  # token blocks of each destination's index
+        # Device scratch: the tile list, every destination's block counts, rowy.
+        sizes = (0 if on_host else max(1, num_tiles) * k.TILE_FIELDS, sum(nbs) * num_local,
+                 max(1, sum(self.tokens)) * self.k)
+        r2 = 2 * num_ranks
         with span("mo.h2d"):
-            r2 = 2 * num_ranks
-            host = torch.empty(r2 + send.size + base.size + table.size, dtype=torch.int32,
-                               pin_memory=self.gpu)
-            buf = host.numpy()
+            # One pinned buffer, one copy (a staging slot of the workspace, as `_Call`):
+            # targets (int64 as int32 pairs), the send table and the index bases, the
+            # segments (or the tiles).
+            tables = (r2, send.size + base.size, table.size)
+            slot = self._slot = (_StagingSlot.acquire(ws, tables, sum(sizes))
+                                 if self.gpu else None)
+            if slot is None:
+                slot = _StagingSlot()
+                slot.fit(device, tables, sum(sizes))
+            buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + send.size] = send
-            o = r2 + send.size
-            buf[o: o + base.size] = base.reshape(-1)
-            buf[o + base.size:] = table.reshape(-1)
-            dev = host.to(device, non_blocking=True)
-            self.targets = dev[:r2].view(torch.int64)
-            self.send_table = dev[r2: r2 + send.size]
-            bases = dev[o: o + base.size].view(num_ranks, 1, num_local)
-            table = dev[o + base.size:].view(-1, k.TILE_FIELDS)
+            buf[r2 + send.size: r2 + tables[1]] = base.reshape(-1)
+            buf[r2 + tables[1]:] = table.reshape(-1)
+            slot.copy_in(device)
+            self.targets, mid, table = slot.views
+            self.send_table = mid[: send.size]
+            bases = mid[send.size:].view(num_ranks, 1, num_local)
         with span("mo.prepare_kernels"):
-            self.k = max(1, min(int(meta.topk or num_local), num_local))
-            bt = INDEX_BLOCK_TOKENS if self.gpu else 16
             ep2 = max(16, triton.next_power_of_2(num_local))
             warps = 8 if ep2 >= 256 else 4
-            if on_host:
-                self.tiles = table
-            else:
-                self.tiles = torch.empty(max(1, num_tiles), k.TILE_FIELDS, dtype=torch.int32,
-                                         device=device)
-                if num_tiles:
-                    segs = len(seg)
-                    _prepare((triton.cdiv(num_tiles, TILE_LIST_BLOCK),), table, self.tiles,
-                             segs, 0, num_tiles, 1, 1, lay.col_blocks, max(1, segs.bit_length()),
-                             triton.cdiv(num_tiles, TILE_LIST_BLOCK),
-                             meta.routing_map.view(torch.uint8), self.tiles, 0, num_local,
-                             BM=self.tile.bm, BN=self.tile.bn, WAVES=False,
-                             BLOCK=TILE_LIST_BLOCK, EP2=ep2, BT=bt, num_warps=warps)
-            cols = slice(meta.ep_rank * num_local, (meta.ep_rank + 1) * num_local)
+            scratch = slot.scratch[: sum(sizes)]
+            self.tiles = (table if on_host
+                          else scratch[: sizes[0]].view(max(1, num_tiles), k.TILE_FIELDS))
+            counts_all = scratch[sizes[0]: sizes[0] + sizes[1]]
             # Every destination's rows here, one tensor (destinations in group-rank order).
-            self.rowy = torch.empty(max(1, sum(self.tokens)), self.k, dtype=torch.int32,
-                                    device=device)
-            for d, m in enumerate(maps):
-                t_d = self.tokens[d]
-                if t_d == 0:
-                    continue
-                rowy = self.rowy[int(row_start[d]): int(row_start[d]) + t_d]
-                rmap = m[:, cols].contiguous().view(torch.uint8)
-                nb = -(-t_d // bt)
-                counts = torch.empty(nb, num_local, dtype=torch.int32, device=device)
-                _prepare((nb,), counts, counts, 0, 0, 0, 1, 1, 1, 1, 0, rmap,
-                         counts, t_d, num_local, BM=self.tile.bm, BN=self.tile.bn,
-                         WAVES=False, BLOCK=TILE_LIST_BLOCK, EP2=ep2, BT=bt, num_warps=warps)
-                _index((nb,), rmap, counts, bases[d], rowy, t_d, num_local, TP=1, K=self.k,
-                       EP2=ep2, BT=bt, CB=32, num_warps=warps)
-            # Finalize index: slot s * T + t where token t has an expert on s's EP rank.
+            self.rowy = scratch[sizes[0] + sizes[1]:].view(-1, self.k)
+            # Each destination's map restricted to this EP rank's experts (EP = 1: the map).
+            cols = slice(meta.ep_rank * num_local, (meta.ep_rank + 1) * num_local)
+            rmaps = [m.view(torch.uint8) if ep == 1 else m[:, cols].contiguous().view(torch.uint8)
+                     for m in maps]
+            dests = [d for d in range(num_ranks) if self.tokens[d]]
+            c0 = np.cumsum([0] + nbs) * num_local
+            counts = [counts_all[int(c0[d]): int(c0[d + 1])].view(-1, num_local)
+                      for d in range(num_ranks)]
+            # The tile list and the first destination's block counts in one launch, then
+            # the other destinations' counts; the index of each follows its counts.
+            tile_blocks = 0 if on_host or not num_tiles else triton.cdiv(num_tiles,
+                                                                         TILE_LIST_BLOCK)
+            segs = len(seg)
+            for i, (d, nb) in enumerate([(d, nbs[d]) for d in dests] or [(me, 0)]):
+                tb = tile_blocks if i == 0 else 0
+                if tb + nb:
+                    _prepare((tb + nb,), table, self.tiles, segs, 0, num_tiles, 1, 1,
+                             lay.col_blocks, max(1, segs.bit_length()), tb, rmaps[d], counts[d],
+                             self.tokens[d] if nb else 0, num_local, BM=self.tile.bm,
+                             BN=self.tile.bn, WAVES=False, BLOCK=TILE_LIST_BLOCK, EP2=ep2,
+                             BT=bt, num_warps=warps)
+            for d in dests:
+                rowy = self.rowy[int(row_start[d]): int(row_start[d]) + self.tokens[d]]
+                _index((nbs[d],), rmaps[d], counts[d], bases[d], rowy, self.tokens[d],
+                       num_local, TP=1, K=self.k, EP2=ep2, BT=bt, CB=32, num_warps=warps)
+            # Finalize index: slot s * T + t where token t has an expert on s's EP rank
+            # (EP = 1: every token on every rank, a cached table).
             t_me = self.tokens[me]
-            has = (maps[me] != 0).view(t_me, ep, num_local).any(dim=2)  # [T, EP]
-            src = torch.arange(num_ranks, device=device)
-            slots = src[None, :] * t_me + torch.arange(t_me, device=device)[:, None]
-            self.index = torch.where(has[:, src // tp], slots,
-                                     torch.full_like(slots, -1)).to(torch.int32)
+            slots = _all_slots(t_me, num_ranks, device)
+            if ep == 1:
+                self.index = slots
+            else:
+                has = maps[me].view(t_me, ep, num_local).any(dim=2)  # [T, EP]
+                if tp > 1:
+                    has = has.repeat_interleave(tp, dim=1)  # [T, R]: s = ep * TP + tp
+                self.index = torch.where(has, slots, -1)
         # Claim counters of the dynamic schedule (as `_Call`); the static one reads none.
         self.counters = (None if self.tile.static
                          else torch.empty(2, dtype=torch.int32, device=device))
