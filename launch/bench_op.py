@@ -24,6 +24,7 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
                 region (after the queue sleep): uploads, table kernels and, pre-reduced, the
                 routing-map all-gather, which ours_prepared / ours_prereduced leave out
   ours_host     (breakdown) host time to enqueue one call (tables, copies, launches)
+  ours_prereduced_host  the same for a pre-reduced call, its routing-map all-gather included
   ours_finalize (breakdown) the finalize kernel alone (arrivals already in)
   bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
 Every provider but "ours" is timed with --queue-ms of GPU sleep before its start event, so
@@ -306,6 +307,16 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         pre_out = prepare_prereduced().run(h, w2)
         err_prereduced = float((pre_out.float() - ref.float()).abs().max()
                                / ref.float().abs().max())
+        host_ms = []
+        for _ in range(args.iters):  # the same host time for a pre-reduced call (map gather in)
+            torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            prepare_prereduced(gather=True).run(h, w2)
+            host_ms.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        results["ours_prereduced_host"] = {"p20": min(host_ms), "p50": statistics.median(host_ms),
+                                           "p80": max(host_ms)}
         results["ours_prepared"], results["ours_prereduced"] = timed_prepared_interleaved(
             [prepare, prepare_prereduced], h, w2, args)
         # The op as the Megatron layer runs it: the mode the resource manager picks.

@@ -12,6 +12,7 @@ runs it, direct mode; "ours_prereduced": the same in the pre-reduced mode
 "prereduce"; the same runs, not timed again); "ours_e2e" / "ours_prereduced_e2e": the
 two modes with their preparation timed too (uploads, table kernels, the pre-reduced mode's
 routing-map all-gather; from v4.5); breakdown rows "ours_host",
+"ours_prereduced_host" (host time to enqueue one call of each mode; the second from v4.6),
 "ours_finalize" where present; exploration rows
 "ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts), p20_ms / p50_ms /
 p80_ms (the slowest rank's), queue_ms (GPU sleep before each timed run, hiding the host's
