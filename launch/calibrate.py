@@ -18,7 +18,8 @@ written, every rank measures alike at the same time, as in the fused op):
              32 KiB tile to the peer, less one empty launch (store_latency_us).
 The GPU limits (SMs, registers, shared memory, threads) come from the device properties
 where torch reports them, else from the --base profile. With one rank the link values are
-copied from --base (said in the output). --dry-run measures nothing: it feeds the fits with
+copied from --base (said in the output), and so is prereduce_host_us always (a host cost:
+launch/bench_op.py's ours_prereduced_host - ours_host). --dry-run measures nothing: it feeds the fits with
 values generated from --base's own model, so that the fitting and writing path runs on CPU.
 """
 
@@ -127,7 +128,9 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
                              alpha_us=round(alpha, 4), beta_us=round(beta, 5)),),
         link_bandwidth_gbps=round(b_link, 2), cta_bandwidth_gbps=round(b_cta, 3),
         store_latency_us=round(max(0.0, latency_us), 3), hbm_bandwidth_gbps=round(hbm_gbps, 1),
-        launch_overhead_us=round(max(0.0, launch_us), 3), provisional=False, source=source,
+        launch_overhead_us=round(max(0.0, launch_us), 3),
+        # not measured here (a host cost, from bench_op's ours_prereduced_host - ours_host)
+        prereduce_host_us=base.prereduce_host_us, provisional=False, source=source,
         extra={"tile_sweep": tile_rows, "peer_store_sweep": store_rows,
                "link_values_copied_from_base": link_from_base})
 

@@ -355,7 +355,7 @@ def plan_gemm2_gatherrs(
             meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size, topk=meta.topk,
             hidden=hidden, elem_bytes=elem_bytes, grid=num_sms * ref_ctas, tile_ps=tau_ref_ps,
             tile=tile, link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps,
-            solver=solver)
+            solver=solver, prereduce_host_us=prof.prereduce_host_us)
         mode = choice.mode
     return Plan(num_comm_ctas=k, num_ctas=grid, source=source, predicted_us=predicted,
                 breakdown=breakdown, mode=mode, mode_choice=choice)

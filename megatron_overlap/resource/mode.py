@@ -24,7 +24,10 @@ rank q (all times in microseconds):
 pre_rows_q to destination d is min(rows q computes for d, T_d x p) with
 p = 1 - C(E - L, k) / C(E, k): the expected number of d's tokens with at least one of their
 k experts among q's L (uniform routing; all of them with EP = 1). The op ends with its
-slowest rank: the mode with the smaller max over q is chosen.
+slowest rank: the mode with the smaller max over q is chosen, the pre-reduced one charged
+the profile's `prereduce_host_us` on top (its extra host work: at prefill sizes where the
+host paces the layer, that is what the layer waits for; measured in docs/perf_notes.md
+v4.6).
 
 Every input comes from the group-wide routed counts that every rank holds alike (the
 dispatcher all-gathers them; `GatherRSMetadata.routed_counts`), the shapes and the profile,
@@ -35,6 +38,7 @@ bit-identical Python twin (`resource.model.mode_times`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -48,17 +52,22 @@ class ModeChoice:
         direct_us / prereduce_us: the predicted time of the slowest rank in each mode
             (GEMM2 + communication + finalize, microseconds; launches not included).
         slowest_rank: group rank of the slowest rank in the chosen mode.
+        prereduce_host_us: the host time charged to the pre-reduced mode on top of
+            prereduce_us (the profile's `prereduce_host_us`): "prereduce" was chosen only if
+            prereduce_us + prereduce_host_us < direct_us.
     """
 
     mode: str
     direct_us: float
     prereduce_us: float
     slowest_rank: int
+    prereduce_host_us: float = 0.0
 
 
 def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden: int,
                 elem_bytes: int, grid: int, tile_ps: int, tile: Tuple[int, int, int],
-                link_gbps: float, hbm_gbps: float, solver: Optional[str] = None) -> ModeChoice:
+                link_gbps: float, hbm_gbps: float, solver: Optional[str] = None,
+                prereduce_host_us: float = 0.0) -> ModeChoice:
     """Predict both modes from the group's routed counts; choose the faster.
 
     Args:
@@ -73,21 +82,32 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
         solver: "cpp", "python" or None (`resource.solver.implementation`): the C++
             `mode_times` (a few us) or its Python twin (`resource.model.mode_times`), which give
             bit-identical times.
+        prereduce_host_us: extra host time of a pre-reduced call (microseconds, >= 0),
+            added to its prediction: where the host paces the layer (prefill at a few
+            thousand tokens per rank) that time is on the critical path, and the GPU time the
+            mode saves is not.
 
     Returns:
         A `ModeChoice`; "direct" on ties and with one rank.
 
     Raises:
         ValueError: routed_counts not an integer [TP * EP, E] array with E divisible by EP,
-            a negative count, or a size out of range.
+            a negative count, or a size out of range; prereduce_host_us negative or not
+            finite.
     """
     from megatron_overlap.resource.solver import implementation
+
+    if (isinstance(prereduce_host_us, bool) or not isinstance(prereduce_host_us, (int, float))
+            or not math.isfinite(prereduce_host_us) or prereduce_host_us < 0):
+        raise ValueError(f"prereduce_host_us={prereduce_host_us!r}: expected a finite "
+                         "number >= 0")
 
     direct, pre, slow_d, slow_p = implementation(solver).mode_times(
         routed_counts, tp_size, ep_size, topk, hidden, elem_bytes, grid, tile_ps, tile[0],
         tile[1], link_gbps, hbm_gbps)
+    host = float(prereduce_host_us)
     if tp_size * ep_size == 1:
-        return ModeChoice("direct", direct, pre, 0)
-    if pre < direct:
-        return ModeChoice("prereduce", direct, pre, int(slow_p))
-    return ModeChoice("direct", direct, pre, int(slow_d))
+        return ModeChoice("direct", direct, pre, 0, host)
+    if pre + host < direct:
+        return ModeChoice("prereduce", direct, pre, int(slow_p), host)
+    return ModeChoice("direct", direct, pre, int(slow_d), host)

@@ -37,7 +37,7 @@ _GPU_KEYS = ("num_sms", "registers_per_sm", "max_registers_per_thread", "registe
              "shared_bytes_per_sm", "max_shared_bytes_per_cta", "shared_reserved_bytes_per_cta",
              "max_threads_per_sm", "max_threads_per_cta", "max_ctas_per_sm")
 _POSITIVE_FLOATS = ("link_bandwidth_gbps", "cta_bandwidth_gbps", "hbm_bandwidth_gbps")
-_NONNEGATIVE_FLOATS = ("store_latency_us", "launch_overhead_us")
+_NONNEGATIVE_FLOATS = ("store_latency_us", "launch_overhead_us", "prereduce_host_us")
 
 
 def _check_int(key: str, value, minimum: int) -> None:
@@ -122,6 +122,11 @@ class HardwareProfile:
     """B_hbm: the finalize kernel's read + write bandwidth."""
     launch_overhead_us: float
     """Launch cost of the fused kernel and the finalize kernel together."""
+    prereduce_host_us: float = 0.0
+    """Host time a pre-reduced call costs more than a direct one (its routing-map all-gather
+    and per-destination launches; `launch/bench_op.py` rows ours_prereduced_host - ours_host).
+    The mode choice charges it to the pre-reduced mode (`resource.mode`); 0 (the default
+    where the YAML has no such key) compares GPU times alone."""
     provisional: bool = False
     """True while the values are not from `launch/calibrate.py` on this GPU kind."""
     source: str = ""
@@ -170,7 +175,7 @@ class HardwareProfile:
 
 _KEYS = ("name", "gpu", "tile_times", "link_bandwidth_gbps", "cta_bandwidth_gbps",
          "store_latency_us", "hbm_bandwidth_gbps", "launch_overhead_us")
-_OPTIONAL = ("provisional", "source", "extra")
+_OPTIONAL = ("provisional", "source", "extra", "prereduce_host_us")
 
 
 def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
@@ -204,7 +209,7 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
                                tile_times=tuple(tile_objs), provisional=data.get("provisional",
                                                                                  False),
                                source=data.get("source", ""), extra=data.get("extra") or {},
-                               **rest)
+                               prereduce_host_us=data.get("prereduce_host_us", 0.0), **rest)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
 

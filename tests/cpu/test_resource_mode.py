@@ -7,8 +7,10 @@ mode that was measured faster on the operator suite.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +26,17 @@ from megatron_overlap.resource.mode import choose_mode
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-def _plans(maps, tp, ep, topk, hidden, ffn, prereduce="auto", num_sms=132):
+def _plans(maps, tp, ep, topk, hidden, ffn, prereduce="auto", num_sms=132, profile=None):
     world = tp * ep
     return [plan_gemm2_gatherrs(rank_rows(maps, tp=tp, ep=ep, rank=r, topk=topk).meta,
                                 GatherRSOptions(backend="triton", prereduce=prereduce),
-                                num_sms=num_sms, hidden=hidden, ffn=ffn)
+                                num_sms=num_sms, hidden=hidden, ffn=ffn, profile=profile)
             for r in range(world)]
+
+
+def _gpu_only_profile():
+    """The shipped profile without the pre-reduced mode's host term (GPU times alone)."""
+    return dataclasses.replace(load_profile("h200"), prereduce_host_us=0.0)
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)])
@@ -153,38 +160,101 @@ def test_formulas_match_a_per_rank_loop(seed):
 
 
 def test_link_bound_picks_prereduce_and_compute_bound_picks_direct():
-    # Qwen3-30B-A3B at TP = 2 (top-8 rows of every token cross the link): pre-reduced;
-    # Mixtral-8x7B (F = 7168 per rank: the link hides under the GEMM2): direct.
+    # GPU times alone: Qwen3-30B-A3B at TP = 2 (top-8 rows of every token cross the link):
+    # pre-reduced; Mixtral-8x7B (F = 7168 per rank: the link hides under the GEMM2): direct.
     for name, want in (("qwen3-30b-a3b", "prereduce"), ("mixtral-8x7b", "direct")):
         s = load_model_shape(name)
         maps = routing_maps([8192, 8192], s.num_moe_experts, s.moe_router_topk, "uniform",
                             seed=0)
         plans = _plans(maps, 2, 1, s.moe_router_topk, s.hidden_size,
-                       s.moe_ffn_hidden_size // 2)
+                       s.moe_ffn_hidden_size // 2, profile=_gpu_only_profile())
         assert {p.mode for p in plans} == {want}, (name, plans[0].mode_choice)
 
 
-def test_matches_the_measured_faster_mode():
-    """With the shipped profile, the operator suite's 16 workloads: the chosen mode is the one
-    measured faster (docs/results/bench_op_v44_2xH200.jsonl, prepared calls, interleaved)."""
+def test_host_term_keeps_small_calls_direct():
+    """With the shipped profile's prereduce_host_us, Qwen3-30B-A3B at TP = 2 stays direct
+    where the pre-reduced mode saves less GPU time than its extra host time (8192 tokens per
+    rank), and goes pre-reduced where it saves more (32768)."""
+    s = load_model_shape("qwen3-30b-a3b")
+    prof = load_profile("h200")
+    assert prof.prereduce_host_us > 0
+    for tokens, want in ((8192, "direct"), (32768, "prereduce")):
+        maps = routing_maps([tokens] * 2, s.num_moe_experts, s.moe_router_topk, "uniform",
+                            seed=0)
+        plans = _plans(maps, 2, 1, s.moe_router_topk, s.hidden_size,
+                       s.moe_ffn_hidden_size // 2)
+        c = plans[0].mode_choice
+        assert c.prereduce_host_us == prof.prereduce_host_us
+        assert c.prereduce_us < c.direct_us  # the GPU alone would take pre-reduced both times
+        assert {p.mode for p in plans} == {want}, (tokens, c)
+
+
+def test_host_term_moves_the_threshold():
+    counts = np.array([[3, 1, 2, 2], [0, 4, 4, 0]], dtype=np.int64)
+    kwargs = dict(tp_size=2, ep_size=1, topk=2, hidden=4096, elem_bytes=2, grid=4,
+                  tile_ps=1_000_000, tile=(128, 256, 64), link_gbps=1.0, hbm_gbps=4000.0)
+    gpu = choose_mode(counts, **kwargs)
+    assert gpu.mode == "prereduce" and gpu.prereduce_host_us == 0.0
+    gap = gpu.direct_us - gpu.prereduce_us
+    assert choose_mode(counts, **kwargs, prereduce_host_us=0.5 * gap).mode == "prereduce"
+    over = choose_mode(counts, **kwargs, prereduce_host_us=1.5 * gap)
+    assert (over.mode, over.prereduce_host_us) == ("direct", 1.5 * gap)
+    assert (over.direct_us, over.prereduce_us) == (gpu.direct_us, gpu.prereduce_us)
+    for bad in (-1.0, float("nan"), float("inf"), True, "600"):
+        with pytest.raises(ValueError, match="prereduce_host_us"):
+            choose_mode(counts, **kwargs, prereduce_host_us=bad)
+
+
+def _measured(name):
     measured = {}
-    with open(RESULTS / "bench_op_v44_2xH200.jsonl") as f:
+    with open(RESULTS / name) as f:
         for line in f:
             r = json.loads(line)
             measured.setdefault((r["model"], r["tokens_per_rank"], r["layout"]), {})[
                 r["provider"]] = r["p50_ms"]
+    return measured
+
+
+def _chosen(model, tokens, layout, profile=None):
+    s = load_model_shape(model)
+    tp, ep = (2, 1) if layout == "tp2" else (1, 2)
+    maps = routing_maps([tokens] * 2, s.num_moe_experts, s.moe_router_topk, "uniform",
+                        seed=0)  # bench_op's routing (its --seed default)
+    return _plans(maps, tp, ep, s.moe_router_topk, s.hidden_size,
+                  s.moe_ffn_hidden_size // tp, profile=profile)[0].mode
+
+
+def test_matches_the_measured_faster_mode():
+    """GPU times alone (no host term), the operator suite's 16 workloads: the chosen mode is
+    the one measured faster (docs/results/bench_op_v44_2xH200.jsonl, prepared calls,
+    interleaved)."""
+    measured = _measured("bench_op_v44_2xH200.jsonl")
     assert len(measured) == 16
     wrong = []
     for (model, tokens, layout), t in measured.items():
-        s = load_model_shape(model)
-        tp, ep = (2, 1) if layout == "tp2" else (1, 2)
-        maps = routing_maps([tokens] * 2, s.num_moe_experts, s.moe_router_topk, "uniform",
-                            seed=0)  # bench_op's routing (its --seed default)
-        plans = _plans(maps, tp, ep, s.moe_router_topk, s.hidden_size,
-                       s.moe_ffn_hidden_size // tp)
         faster = "prereduce" if t["ours_prereduced"] < t["ours_prepared"] else "direct"
-        if plans[0].mode != faster:
-            wrong.append((model, tokens, layout, plans[0].mode, faster))
+        mode = _chosen(model, tokens, layout, _gpu_only_profile())
+        if mode != faster:
+            wrong.append((model, tokens, layout, mode, faster))
+    assert not wrong, wrong
+
+
+def test_host_term_is_the_measured_one_and_matches_the_measured_faster_mode():
+    """The shipped prereduce_host_us is the median of ours_prereduced_host - ours_host over
+    docs/results/bench_op_v46_2xH200.jsonl (8 workloads); with it, the chosen mode is the
+    one whose prepared GPU time plus that host cost is smaller on each of them."""
+    measured = _measured("bench_op_v46_2xH200.jsonl")
+    assert len(measured) == 8
+    host_ms = statistics.median(t["ours_prereduced_host"] - t["ours_host"]
+                                for t in measured.values())
+    assert load_profile("h200").prereduce_host_us == pytest.approx(host_ms * 1e3, abs=0.1)
+    wrong = []
+    for (model, tokens, layout), t in measured.items():
+        faster = ("prereduce" if t["ours_prereduced"] + host_ms < t["ours_prepared"]
+                  else "direct")
+        mode = _chosen(model, tokens, layout)
+        if mode != faster:
+            wrong.append((model, tokens, layout, mode, faster))
     assert not wrong, wrong
 
 

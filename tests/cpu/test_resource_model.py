@@ -315,3 +315,13 @@ def test_bad_profiles_name_the_key():
         profile_from_dict(dict(good, gpu=dict(good["gpu"], num_sms=0)))
     with pytest.raises(ValueError, match="unknown; expected one of"):
         load_profile("no-such-gpu")
+
+
+def test_prereduce_host_term_is_optional_and_checked():
+    good = H200.to_dict()
+    assert good["prereduce_host_us"] == H200.prereduce_host_us > 0  # shipped, round-trips
+    older = {k: v for k, v in good.items() if k != "prereduce_host_us"}  # a pre-v4.6 file
+    assert profile_from_dict(older).prereduce_host_us == 0.0
+    for bad in (-1.0, float("nan"), "600"):
+        with pytest.raises(ValueError, match="prereduce_host_us"):
+            profile_from_dict(dict(good, prereduce_host_us=bad))
