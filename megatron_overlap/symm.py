@@ -135,8 +135,11 @@ class GatherRSWorkspace:
 
         Every rank must call this with the same `rows` (the maximum over ranks of
         `recv_rows_per_rank`, or R x the largest token count in the pre-reduced mode, which
-        all ranks compute alike). Grows to 1/8 more than asked,
-        so that slowly growing inputs reallocate rarely without doubling the memory.
+        all ranks compute alike). The first allocation is exactly `rows` (fixed shapes, as in
+        a prefill or training run at one sequence length, then never grow and carry no
+        headroom: the buffer is the flag's main extra memory); a later growth takes 1/8 more
+        than asked, so that slowly growing inputs reallocate rarely without doubling the
+        memory.
 
         Raises:
             ValueError: rows < 0, or more rows than a fixed-capacity workspace
@@ -151,7 +154,9 @@ class GatherRSWorkspace:
         if self._fixed_capacity:
             raise ValueError(f"this workspace holds {self.capacity_rows} rows, the call needs "
                              f"{rows}")
-        new_rows = max(rows + rows // 8, 1)  # 1/8 headroom: growth (a collective) is rare
+        # Exact the first time; 1/8 headroom once the inputs have shown they grow (a
+        # growth is a collective and a device sync).
+        new_rows = max(rows if self._recv is None else rows + rows // 8, 1)
         shape = (new_rows, self.hidden)
         if self.group is None:
             self._recv = torch.zeros(shape, dtype=self.dtype, device=self.device)

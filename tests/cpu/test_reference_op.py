@@ -237,6 +237,12 @@ def test_workspace_argument_errors():
     ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="rows=-5 must be >= 0"):
         ws.ensure_capacity(-5)
+    ws.ensure_capacity(100)  # the first allocation is exact ...
+    assert ws.capacity_rows == 100 and tuple(ws.recv.shape) == (100, 8)
+    ws.ensure_capacity(90)  # ... smaller calls reuse it ...
+    assert ws.capacity_rows == 100
+    ws.ensure_capacity(101)  # ... and a growth leaves 1/8 headroom
+    assert ws.capacity_rows == 101 + 101 // 8 and tuple(ws.recv.shape) == (113, 8)
     with pytest.raises(ValueError, match="one per rank of the group"):
         ws.add_expected_arrivals([1, 2, 3])
     fixed = local_workspaces(2, hidden=8, dtype=torch.float32, device="cpu", capacity_rows=4)
