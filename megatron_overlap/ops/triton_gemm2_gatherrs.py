@@ -96,6 +96,17 @@ def default_tile(device: torch.device) -> TileConfig:
     return DEFAULT_TILE if torch.device(device).type == "cuda" else INTERPRETER_TILE
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (`triton.cdiv` is a `ConstexprFunction`: ~6 us per host call)."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as `triton.next_power_of_2`, in plain
+    Python."""
+    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
+
+
 def destination_order(rank: int, num_ranks: int):
     """Remote destinations round-robin starting after `rank`, then `rank` itself."""
     return [(rank + d) % num_ranks for d in range(1, num_ranks)] + [rank]
@@ -542,8 +553,8 @@ class _Call:
             index = scratch[sizes[0] + sizes[1]:]
             self.tiles = table if tile_list == "host" else tiles.view(-1, k.TILE_FIELDS)
             self.index = index.view(meta.num_tokens, kmax * meta.tp_size)
-            tile_blocks = 0 if tile_list == "host" else triton.cdiv(num_tiles, TILE_LIST_BLOCK)
-            ep2 = max(16, triton.next_power_of_2(num_experts))
+            tile_blocks = 0 if tile_list == "host" else _cdiv(num_tiles, TILE_LIST_BLOCK)
+            ep2 = max(16, _pow2(num_experts))
             warps = 8 if ep2 >= 256 else 4
             if tile_blocks + nb:
                 # Tile list and block counts (independent) in one launch; the index follows

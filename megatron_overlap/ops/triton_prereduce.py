@@ -44,7 +44,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-import triton
 
 from megatron_overlap.config import tile_list_source
 from megatron_overlap.kernels import gemm2_gatherrs as k
@@ -57,7 +56,9 @@ from megatron_overlap.ops.triton_gemm2_gatherrs import (
     TileConfig,
     _Call,
     _StagingSlot,
+    _cdiv,
     _index,
+    _pow2,
     _prepare,
     destination_order,
     direct_layout,
@@ -211,7 +212,7 @@ class PreReducedCall(_Call):
             self.send_table = mid[: send.size]
             bases = mid[send.size:].view(num_ranks, 1, num_local)
         with span("mo.prepare_kernels"):
-            ep2 = max(16, triton.next_power_of_2(num_local))
+            ep2 = max(16, _pow2(num_local))
             warps = 8 if ep2 >= 256 else 4
             scratch = slot.scratch[: sum(sizes)]
             self.tiles = (table if on_host
@@ -229,7 +230,7 @@ class PreReducedCall(_Call):
                       for d in range(num_ranks)]
             # The tile list and the first destination's block counts in one launch, then
             # the other destinations' counts; the index of each follows its counts.
-            tile_blocks = 0 if on_host or not num_tiles else triton.cdiv(num_tiles,
+            tile_blocks = 0 if on_host or not num_tiles else _cdiv(num_tiles,
                                                                          TILE_LIST_BLOCK)
             segs = len(seg)
             for i, (d, nb) in enumerate([(d, nbs[d]) for d in dests] or [(me, 0)]):

@@ -105,3 +105,15 @@ def test_real_kernels_have_constexprs_last():
 
     for fn in (k._gemm_scatter_kernel, k._prepare_kernel, k._index_kernel, k._finalize_kernel):
         FastLauncher(fn)
+
+
+def test_host_int_helpers_match_triton():
+    """The launch path's plain-Python `_cdiv` / `_pow2` equal `triton.cdiv` /
+    `triton.next_power_of_2` (which are ConstexprFunctions, ~6 us per host call)."""
+    import triton
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _cdiv, _pow2
+
+    assert [_pow2(n) for n in range(0, 4100)] == [triton.next_power_of_2(n)
+                                                  for n in range(0, 4100)]
+    assert all(_cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 600) for b in range(1, 70))
