@@ -314,7 +314,10 @@ def test_flag_on_auto_takes_the_prereduced_mode_where_the_link_is_slow(world, tm
 
     from megatron_overlap.resource.profile import load_profile, save_profile
 
-    slow = dataclasses.replace(load_profile("h200"), name="slow-link", link_bandwidth_gbps=0.05)
+    # No host term (prereduce_host_us): this tiny case's GPU saving is far below the
+    # shipped 605.6 us, and the test is about the link-bound choice through the layer.
+    slow = dataclasses.replace(load_profile("h200"), name="slow-link", link_bandwidth_gbps=0.05,
+                               prereduce_host_us=0.0)
     path = tmp_path / "slow-link.yaml"
     save_profile(slow, path)
     assert yaml.safe_load(path.read_text())["link_bandwidth_gbps"] == 0.05
