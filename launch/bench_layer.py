@@ -797,6 +797,13 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
             rows = []
             for seq in run.seq_lengths:
                 x = make_input(shape, run, tp, ranks, seq, device)
+                # A fresh fused-op workspace per sequence length, as a run at this length
+                # alone has (grown from a shorter length's, its receive buffer would carry
+                # the 1/8 growth headroom into symm_workspace_bytes). Collective: every rank
+                # runs the same lengths in the same order.
+                from megatron_overlap.symm import destroy_workspaces
+
+                destroy_workspaces()
                 result = time_workload(layers, x, run, device)
                 if run.host_breakdown:
                     result["host_breakdown_us"] = host_breakdown(layers, x, device, run.iters)

@@ -1022,7 +1022,7 @@ def time_seq(
         bytes (`megatron_overlap.bench.measure`; None on CPU): "peak_bytes" (absolute),
         "fwd_extra_bytes", "persistent_bytes" (allocated across the variant's first warm-up
         forward of this sequence length; None without warm-up), "symm_workspace_bytes"
-        (flag on only); "fused_calls": fused-op launches during the timed forwards,
+        (flag on only; the workspace is made afresh for each length); "fused_calls": fused-op launches during the timed forwards,
         "combine_modes": `combine_modes` of the flag-on model}.
 
     Raises:
@@ -1030,6 +1030,13 @@ def time_seq(
             per forward (then it did not run the path being measured).
     """
     tokens, positions = inputs
+    # A fresh fused-op workspace per sequence length, as a run at this length alone has
+    # (its receive buffer is then exactly this length's size; grown from a shorter one's it
+    # would carry the 1/8 growth headroom into symm_workspace_bytes). Collective: every rank
+    # times the same lengths in the same order.
+    from megatron_overlap.symm import destroy_workspaces
+
+    destroy_workspaces()
     timers = {name: Timer(device) for name in models}
     persistent = {name: None for name in models}
     for i in range(run.warmup):
