@@ -34,7 +34,9 @@ is not used. Needs every rank's routing map (`gemm2_gatherrs.gather_routing_maps
 
 Measured (2x H200, docs/perf_notes.md v4.4): faster than the direct layout for
 Qwen3-30B-A3B at TP2 (1.890 -> 1.487 ms at 16384 tokens/rank), 1.04-1.25x slower on the
-other operator workloads; bit-identical to the reference path.
+other operator workloads; bit-identical to the reference path. Its host work costs ~0.6 ms
+more per call than the direct layout's (v4.6, with the routing-map gather), which the mode
+choice counts (`HardwareProfile.prereduce_host_us`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 A profile holds what the wave-quantized model (`megatron_overlap.resource.model`) needs and
 nothing measured per workload: the GPU's residency limits (for the occupancy of the compiled
 kernel), the tile time model tau(F) per tile shape, the peer-store bandwidths, the HBM
-bandwidth of the finalize and two latency constants. `launch/calibrate.py` measures one on a
-GPU machine and writes it with `save_profile`.
+bandwidth of the finalize, two latency constants and, optionally, the pre-reduced mode's
+extra host time (`prereduce_host_us`, for the mode choice). `launch/calibrate.py` measures
+all but the last on a GPU machine and writes the profile with `save_profile`.
 
 Units live in the key names: `_us` microseconds, `_gbps` GB/s (1e9 bytes per second),
 `_bytes` bytes.
