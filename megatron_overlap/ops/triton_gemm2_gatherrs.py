@@ -468,9 +468,10 @@ class _Call:
         tile: tile configuration (default: `default_tile(device)`).
     """
 
-    MODE = "v4"
-    """Names the kernels a call launches (the first call of each mode and specialisation
-    lines the ranks up after compiling)."""
+    MODE = "direct"
+    """The combine mode, in `Plan.mode`'s names ("direct" here, "prereduce" for
+    `PreReducedCall`); also names the kernels a call launches (the first call of each mode
+    and specialisation lines the ranks up after compiling)."""
 
     _index_args = None
     """Arguments of the finalize-index launch (`launch_index`; None: no index)."""

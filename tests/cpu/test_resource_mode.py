@@ -370,7 +370,7 @@ def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypat
 
     def prepare(h_like, w2, meta, *, group, options, plan, routing_maps):
         seen["maps"] = routing_maps
-        return types.SimpleNamespace(MODE="prereduce" if routing_maps else "v4")
+        return types.SimpleNamespace(MODE="prereduce" if routing_maps else "direct")
 
     monkeypatch.setattr(d, "plan_gemm2_gatherrs", plan)
     monkeypatch.setattr(d, "gather_routing_maps", gather)
