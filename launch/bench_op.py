@@ -129,8 +129,7 @@ def timed(fn, warmup: int, iters: int, queue_ms: float = 0.0):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
-    return {"p20": q[1], "p50": statistics.median(times), "p80": q[7]}
+    return _quantiles(times)
 
 
 def timed_prepared(prepare, h, w2, args):
@@ -166,11 +165,13 @@ def timed_prepared_interleaved(prepares, h, w2, args, *, prepare_timed: bool = F
             end.synchronize()
             if r >= args.warmup:
                 times[i].append(start.elapsed_time(end))
-    out = []
-    for t in times:
-        q = statistics.quantiles(t, n=10) if len(t) > 1 else t * 9
-        out.append({"p20": q[1], "p50": statistics.median(t), "p80": q[7]})
-    return out
+    return [_quantiles(t) for t in times]
+
+
+def _quantiles(t) -> dict:
+    """p20 / p50 / p80 of a sample (ms): the rows' timing fields."""
+    q = statistics.quantiles(t, n=10) if len(t) > 1 else list(t) * 9
+    return {"p20": q[1], "p50": statistics.median(t), "p80": q[7]}
 
 
 def peer_bandwidth_gbps(device, num_bytes: int = 1 << 30) -> float:
@@ -283,8 +284,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
             call = one_call()
             host_ms.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
-        results["ours_host"] = {"p20": min(host_ms), "p50": statistics.median(host_ms),
-                                "p80": max(host_ms)}
+        results["ours_host"] = _quantiles(host_ms)
         # The last call's arrivals are all in: finalize again = its summing alone.
         results["ours_finalize"] = timed(call.finalize, args.warmup, args.iters, args.queue_ms)
         # The call as the Megatron layer runs it: prepared (host work) while FC1 runs, so the
@@ -315,8 +315,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
             prepare_prereduced(gather=True).run(h, w2)
             host_ms.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
-        results["ours_prereduced_host"] = {"p20": min(host_ms), "p50": statistics.median(host_ms),
-                                           "p80": max(host_ms)}
+        results["ours_prereduced_host"] = _quantiles(host_ms)
         results["ours_prepared"], results["ours_prereduced"] = timed_prepared_interleaved(
             [prepare, prepare_prereduced], h, w2, args)
         # The op as the Megatron layer runs it: the mode the resource manager picks.

@@ -132,7 +132,8 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         # not measured here (a host cost, from bench_op's ours_prereduced_host - ours_host)
         prereduce_host_us=base.prereduce_host_us, provisional=False, source=source,
         extra={"tile_sweep": tile_rows, "peer_store_sweep": store_rows,
-               "link_values_copied_from_base": link_from_base})
+               "link_values_copied_from_base": link_from_base,
+               "prereduce_host_us_copied_from_base": base.name})
 
 
 def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int):
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
         header = (f"Calibrated: {source}.\n"
                   + ("Link values copied from the base profile (one rank).\n" if world == 1
                      else "")
+                  + f"prereduce_host_us copied from the base profile ({base.name}; a host "
+                    "cost, not measured here: bench_op's ours_prereduced_host - ours_host).\n"
                   + "Re-run launch/calibrate.py after kernel changes (the tile time is the "
                     "fused kernel's).")
         save_profile(profile, args.out, header=header)
@@ -331,7 +334,8 @@ def _print(p: HardwareProfile) -> None:
     print(f"tile {t.bm}x{t.bn}x{t.bk}: tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) "
           f"us at {t.ctas_per_sm} CTA/SM | B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
           f"{p.cta_bandwidth_gbps:.2f} GB/s | HBM {p.hbm_bandwidth_gbps:.0f} GB/s | launch "
-          f"{p.launch_overhead_us:.1f} us | store latency {p.store_latency_us:.2f} us")
+          f"{p.launch_overhead_us:.1f} us | store latency {p.store_latency_us:.2f} us | "
+          f"pre-reduced host term {p.prereduce_host_us:.1f} us (from the base profile)")
     extra: Dict = p.extra
     for r in extra.get("tile_sweep", []):
         print(f"  F={r['ffn']:>6} ksteps={r['ksteps']:>4} tau={r['tau_us']:.2f} us"

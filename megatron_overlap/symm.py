@@ -156,7 +156,8 @@ class GatherRSWorkspace:
                              f"{rows}")
         # Exact the first time; 1/8 headroom once the inputs have shown they grow (a
         # growth is a collective and a device sync).
-        new_rows = max(rows if self._recv is None else rows + rows // 8, 1)
+        first = self._recv is None or self.capacity_rows <= 1  # (1: a first call of 0 rows)
+        new_rows = max(rows if first else rows + rows // 8, 1)
         shape = (new_rows, self.hidden)
         if self.group is None:
             self._recv = torch.zeros(shape, dtype=self.dtype, device=self.device)

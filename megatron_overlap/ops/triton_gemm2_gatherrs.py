@@ -101,6 +101,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _align4(n: int) -> int:
+    """n rounded up to a multiple of 4: int32 counts whose scratch parts start 16-byte
+    aligned. Triton (and `FastLauncher`'s key) specialise a kernel on each pointer's 16-byte
+    alignment, so a part whose alignment followed the call's tile count would compile a
+    second variant mid-run, on one rank."""
+    return (n + 3) & ~3
+
+
 def _pow2(n: int) -> int:
     """The smallest power of two >= n (0 for 0), as `triton.next_power_of_2`, in plain
     Python."""
@@ -349,11 +357,13 @@ def _ensure_allocator() -> None:
 
 
 class _StagingSlot:
-    """Per-call buffers that a workspace keeps for reuse (direct mode, CUDA): a pinned host
-    buffer of the call's tables (targets, finalize bases, segments) with the event of its
-    last upload, their device copy with its views, and the device scratch (tile list, block
-    counts, finalize index). Saves a pinned and two device allocations, and the views, per
-    call on the host's critical path.
+    """Per-call buffers that a workspace keeps for reuse (CUDA; both modes): a pinned host
+    buffer of the call's tables in three parts (targets; the direct call's finalize bases
+    or the pre-reduced call's send table and index bases; segments or tiles) with the event
+    of its last upload, their device copy with its views, and the device scratch (tile list,
+    block counts, then the direct call's finalize index or the pre-reduced call's rowy).
+    Saves a pinned and two device allocations, and the views, per call on the host's
+    critical path.
 
     A slot serves one `_Call` at a time, from its construction until it is garbage
     collected (a caller may finalize again, or time `gemm_only`, long after the run). It is
@@ -362,8 +372,9 @@ class _StagingSlot:
     no host wait: a slot still in use is skipped), and the current stream is the
     workspace's stream (every other device use of the old call's buffers is then ordered
     before the new call's); otherwise `acquire` returns None and the call fills a slot of its
-    own (`fit`, as off CUDA), which the workspace does not keep. The buffers are allocated outside inference mode, so that a slot filled under
-    `torch.inference_mode()` can be refilled outside it.
+    own (`fit`, as off CUDA), which the workspace does not keep. The buffers are allocated
+    outside inference mode, so that a slot filled under `torch.inference_mode()` can be
+    refilled outside it.
     """
 
     __slots__ = ("busy", "event", "fences", "host", "dev", "host_np", "host_view", "dev_view",
@@ -388,8 +399,8 @@ class _StagingSlot:
 
     @classmethod
     def acquire(cls, ws: GatherRSWorkspace, tables: tuple, scratch_size: int):
-        """A free slot of `ws` with room for `tables` (int32 sizes of targets, finalize
-        bases, table) and `scratch_size` int32 of scratch, marked busy; or None."""
+        """A free slot of `ws` with room for `tables` (int32 sizes of its three parts, see
+        the class docstring) and `scratch_size` int32 of scratch, marked busy; or None."""
         ring = ws.staging_slots
         if ws.stream is None or torch.cuda.current_stream(ws.device) != ws.stream:
             return None  # the first call, or another stream than the workspace's
@@ -527,9 +538,11 @@ class _Call:
         kmax = max(1, min(int(meta.topk or num_experts), num_experts))
         bt = INDEX_BLOCK_TOKENS if self.gpu else 16
         nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
-        # Device scratch: the tile list, the per-block token counts, the index.
-        sizes = (0 if tile_list == "host" else num_tiles * k.TILE_FIELDS,
-                 nb * num_experts, meta.num_tokens * kmax * meta.tp_size)
+        # Device scratch: the tile list, the per-block token counts, the index, each part
+        # starting 16-byte aligned (`_align4`).
+        n_tiles = 0 if tile_list == "host" else num_tiles * k.TILE_FIELDS
+        n_counts = nb * num_experts
+        sizes = (_align4(n_tiles), _align4(n_counts), meta.num_tokens * kmax * meta.tp_size)
         r2, n_base = 2 * meta.group_size, lay.finalize_base.size
         tables = (r2, n_base, table.size)
         with span("mo.h2d"):
@@ -549,8 +562,8 @@ class _Call:
             self.targets, self.finalize_base, table = slot.views
         with span("mo.prepare_kernels"):
             scratch = slot.scratch[: sum(sizes)]
-            tiles = scratch[: sizes[0]]
-            block_counts = scratch[sizes[0]: sizes[0] + sizes[1]]
+            tiles = scratch[:n_tiles]
+            block_counts = scratch[sizes[0]: sizes[0] + n_counts]
             index = scratch[sizes[0] + sizes[1]:]
             self.tiles = table if tile_list == "host" else tiles.view(-1, k.TILE_FIELDS)
             self.index = index.view(meta.num_tokens, kmax * meta.tp_size)

@@ -58,6 +58,7 @@ from megatron_overlap.ops.triton_gemm2_gatherrs import (
     TileConfig,
     _Call,
     _StagingSlot,
+    _align4,
     _cdiv,
     _index,
     _pow2,
@@ -96,8 +97,8 @@ def send_blocks(num_tokens: int, gpu: bool) -> int:
 @functools.lru_cache(maxsize=8)
 def _all_slots(num_tokens: int, num_ranks: int, device: torch.device) -> torch.Tensor:
     """int32 [T, R] on `device`: slot s * T + t in column s of row t, the pre-reduced
-    finalize index when every token has an expert on every source's EP rank (EP = 1).
-    Cached (read only): it depends on the shapes alone."""
+    finalize index when every token has an expert on every source's EP rank (EP = 1 and no
+    token dropped). Cached (read only): it depends on the shapes alone."""
     with torch.inference_mode(False):  # a normal tensor: usable in training forwards too
         return (torch.arange(num_ranks, dtype=torch.int32, device=device)[None, :] * num_tokens
                 + torch.arange(num_tokens, dtype=torch.int32, device=device)[:, None])
@@ -191,8 +192,10 @@ class PreReducedCall(_Call):
         bt = INDEX_BLOCK_TOKENS if self.gpu else 16
         nbs = [-(-t // bt) for t in self.tokens]  # token blocks of each destination's index
         # Device scratch: the tile list, every destination's block counts, rowy.
-        sizes = (0 if on_host else max(1, num_tiles) * k.TILE_FIELDS, sum(nbs) * num_local,
-                 max(1, sum(self.tokens)) * self.k)
+        # (each part, and each destination's counts, 16-byte aligned: `_align4`)
+        n_tiles = 0 if on_host else max(1, num_tiles) * k.TILE_FIELDS
+        c0 = np.cumsum([0] + [_align4(n * num_local) for n in nbs])
+        sizes = (_align4(n_tiles), int(c0[-1]), max(1, sum(self.tokens)) * self.k)
         r2 = 2 * num_ranks
         with span("mo.h2d"):
             # One pinned buffer, one copy (a staging slot of the workspace, as `_Call`):
@@ -218,7 +221,7 @@ class PreReducedCall(_Call):
             warps = 8 if ep2 >= 256 else 4
             scratch = slot.scratch[: sum(sizes)]
             self.tiles = (table if on_host
-                          else scratch[: sizes[0]].view(max(1, num_tiles), k.TILE_FIELDS))
+                          else scratch[:n_tiles].view(max(1, num_tiles), k.TILE_FIELDS))
             counts_all = scratch[sizes[0]: sizes[0] + sizes[1]]
             # Every destination's rows here, one tensor (destinations in group-rank order).
             self.rowy = scratch[sizes[0] + sizes[1]:].view(-1, self.k)
@@ -227,9 +230,8 @@ class PreReducedCall(_Call):
             rmaps = [m.view(torch.uint8) if ep == 1 else m[:, cols].contiguous().view(torch.uint8)
                      for m in maps]
             dests = [d for d in range(num_ranks) if self.tokens[d]]
-            c0 = np.cumsum([0] + nbs) * num_local
-            counts = [counts_all[int(c0[d]): int(c0[d + 1])].view(-1, num_local)
-                      for d in range(num_ranks)]
+            counts = [counts_all[int(c0[d]): int(c0[d]) + nbs[d] * num_local]
+                      .view(-1, num_local) for d in range(num_ranks)]
             # The tile list and the first destination's block counts in one launch, then
             # the other destinations' counts; the index of each follows its counts.
             tile_blocks = 0 if on_host or not num_tiles else _cdiv(num_tiles,
@@ -247,13 +249,16 @@ class PreReducedCall(_Call):
                 rowy = self.rowy[int(row_start[d]): int(row_start[d]) + self.tokens[d]]
                 _index((nbs[d],), rmaps[d], counts[d], bases[d], rowy, self.tokens[d],
                        num_local, TP=1, K=self.k, EP2=ep2, BT=bt, CB=32, num_warps=warps)
-            # Finalize index: slot s * T + t where token t has an expert on s's EP rank
-            # (EP = 1: every token on every rank, a cached table).
+            # Finalize index: slot s * T + t where token t has an expert on s's EP rank.
+            # EP = 1 with every token routed (top-k experts each: no token dropped, which the
+            # shared counts tell without a device sync): every slot, a cached table.
             t_me = self.tokens[me]
             slots = _all_slots(t_me, num_ranks, device)
-            if ep == 1:
+            full = (ep == 1 and bool(meta.topk)
+                    and int(meta.routed_counts[me].sum()) == meta.topk * t_me)
+            if full:
                 self.index = slots
-            else:
+            else:  # a token without an expert on s's EP rank gets nothing from s: -1
                 has = maps[me].view(t_me, ep, num_local).any(dim=2)  # [T, EP]
                 if tp > 1:
                     has = has.repeat_interleave(tp, dim=1)  # [T, R]: s = ep * TP + tp

@@ -243,6 +243,10 @@ def test_workspace_argument_errors():
     assert ws.capacity_rows == 100
     ws.ensure_capacity(101)  # ... and a growth leaves 1/8 headroom
     assert ws.capacity_rows == 101 + 101 // 8 and tuple(ws.recv.shape) == (113, 8)
+    empty_first = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+    empty_first.ensure_capacity(0)  # a first call with no rows: one row ...
+    empty_first.ensure_capacity(50)  # ... and the first real size is still exact
+    assert empty_first.capacity_rows == 50
     with pytest.raises(ValueError, match="one per rank of the group"):
         ws.add_expected_arrivals([1, 2, 3])
     fixed = local_workspaces(2, hidden=8, dtype=torch.float32, device="cpu", capacity_rows=4)

@@ -239,10 +239,13 @@ def test_matches_the_measured_faster_mode():
     assert not wrong, wrong
 
 
-def test_host_term_is_the_measured_one_and_matches_the_measured_faster_mode():
+def test_host_term_is_the_bench_op_median_and_the_gpu_ranking_survives_it():
     """The shipped prereduce_host_us is the median of ours_prereduced_host - ours_host over
-    docs/results/bench_op_v46_2xH200.jsonl (8 workloads); with it, the chosen mode is the
-    one whose prepared GPU time plus that host cost is smaller on each of them."""
+    docs/results/bench_op_v46_2xH200.jsonl (8 workloads). With it, the model's choice (its
+    predicted GPU times + the term) equals the choice made from the measured prepared GPU
+    times + the same term on each workload: the GPU predictions rank the modes right with
+    the offset in place. (Whether the term itself is right is a layer-level question: the
+    side-by-side prefill in docs/perf_notes.md v4.6.)"""
     measured = _measured("bench_op_v46_2xH200.jsonl")
     assert len(measured) == 8
     host_ms = statistics.median(t["ours_prereduced_host"] - t["ours_host"]

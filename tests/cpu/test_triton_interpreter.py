@@ -156,6 +156,51 @@ def _arrivals_mismatch(ws: list, r: int):
     return None
 
 
+def _dropped_tokens_mismatch():
+    """Megatron with a capacity factor drops tokens: a routing-map row can be empty. Such a
+    token's output row must be 0 in both modes, whatever the receive buffer held before
+    (filled with 7.0 first), at TP = 2 and at EP = 2. None when it is."""
+    import torch
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import INTERPRETER_TILE, _Call
+    from megatron_overlap.ops.triton_prereduce import PreReducedCall
+    from megatron_overlap.resource import Plan
+    from megatron_overlap.symm import local_workspaces
+    from tests.support.asserts import describe_mismatch
+    from tests.support.op_problem import OpCase, global_tensors, rank_operands
+
+    plan = Plan(num_comm_ctas=1, num_ctas=2, source="test")
+    problems = []
+    for tp, ep in ((2, 1), (1, 2)):
+        case = OpCase(tp, ep, num_experts=4 * ep, topk=2, tokens_per_rank=[5, 6], hidden=40,
+                      ffn=24, dtype=torch.float32, seed=11)
+        maps, h_full, w2 = global_tensors(case)
+        for g in range(2):  # token 1 of each rank, and rank 1's token 4, routed nowhere
+            for t in ((1,) if g == 0 else (1, 4)):
+                maps[g][t] = False
+                h_full[g][:, t] = 0
+        dense = [torch.einsum("etf,ehf->th", h_full[g], w2) for g in range(2)]
+        operands = [rank_operands(case, g, (maps, h_full, w2)) for g in range(2)]
+        for mode in ("direct", "prereduce"):
+            ws = local_workspaces(2, hidden=40, dtype=torch.float32, device="cpu",
+                                  capacity_rows=256)
+            for w in ws:
+                w.recv.fill_(7.0)
+            calls = []
+            for g, (h, w2_local, meta) in enumerate(operands):
+                kwargs = dict(hidden=40, dtype=h.dtype, device=h.device, timeout_s=30.0,
+                              tile=INTERPRETER_TILE)
+                calls.append(_Call(meta, ws[g], plan, **kwargs) if mode == "direct" else
+                             PreReducedCall(meta, ws[g], plan, routing_maps=maps, **kwargs))
+            for call, (h, w2_local, _) in zip(calls, operands):
+                call.send(h, w2_local)
+            for g, call in enumerate(calls):
+                bad = describe_mismatch(call.finish(), dense[g], rel_tol=1e-5)
+                if bad:
+                    problems.append(f"{mode} tp{tp} ep{ep} rank {g}: {bad}")
+    return "; ".join(problems) or None
+
+
 def _simulate() -> dict:
     """Run every layout's calls through the kernels; returns {case: mismatch or None}."""
     import torch
@@ -226,6 +271,7 @@ def _simulate() -> dict:
             key = f"prereduce {case} rank {g}"
             if report[key] is None:
                 report[key] = _arrivals_mismatch(ws, r)
+    report["dropped"] = _dropped_tokens_mismatch()
     report["index"] = _index_mismatch()
     report["tile_list"] = _tile_list_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
@@ -286,6 +332,7 @@ def test_kernels_in_interpreter():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     timeout_msg = report.pop("timeout")
+    assert report.pop("dropped") is None
     assert report.pop("index") is None
     assert report.pop("tile_list") is None
     assert "finalize timed out waiting for sender rank 1" in timeout_msg, timeout_msg
