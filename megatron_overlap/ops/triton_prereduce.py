@@ -259,7 +259,8 @@ class PreReducedCall(_Call):
             if full:
                 self.index = slots
             else:  # a token without an expert on s's EP rank gets nothing from s: -1
-                has = maps[me].view(t_me, ep, num_local).any(dim=2)  # [T, EP]
+                mine = maps[me] if maps[me].dtype == torch.bool else maps[me] != 0
+                has = mine.view(t_me, ep, num_local).any(dim=2)  # [T, EP]
                 if tp > 1:
                     has = has.repeat_interleave(tp, dim=1)  # [T, R]: s = ep * TP + tp
                 self.index = torch.where(has, slots, -1)
