@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple, Union
@@ -48,7 +49,15 @@ def _check_int(key: str, value, minimum: int) -> None:
 
 def _check_float(key: str, value, positive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{key}={value!r}: expected a finite number")
+        hint = ""
+        if isinstance(value, str):
+            try:
+                float(value)
+                hint = (" (YAML reads a number like 6e2 as text: write it with a point and a "
+                        "signed exponent, 6.0e+2, or as 600.0)")
+            except ValueError:
+                pass
+        raise ValueError(f"{key}={value!r}: expected a finite number{hint}")
     if (value <= 0) if positive else (value < 0):
         raise ValueError(f"{key}={value!r}: expected a number {'>' if positive else '>='} 0")
 
@@ -218,6 +227,9 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
 def _resolve(name_or_path: Union[str, Path]) -> Path:
     text = str(name_or_path)
     path = Path(text)
+    if path.is_dir():
+        raise ValueError(f"hardware profile {text!r} is a directory; expected a profile name "
+                         "or a YAML file")
     if path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
             raise ValueError(f"hardware profile file {text!r} does not exist")
@@ -234,9 +246,14 @@ def _resolve(name_or_path: Union[str, Path]) -> Path:
 def _load_cached(path: str, mtime_ns: int) -> HardwareProfile:
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err})") from err
-    return profile_from_dict(data, where=path)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a valid YAML text file ({err})") from err
+    profile = profile_from_dict(data, where=path)
+    if isinstance(data, dict) and "prereduce_host_us" not in data:
+        warnings.warn(f"hardware profile {path} has no prereduce_host_us (written before "
+                      "v4.6): the combine-mode choice compares GPU times alone there; add the "
+                      "key (configs/hardware/h200.yaml says how it was measured)", stacklevel=3)
+    return profile
 
 
 _BY_NAME: dict = {}
@@ -253,13 +270,19 @@ def load_profile(name_or_path: Optional[Union[str, Path]] = None) -> HardwarePro
     Raises:
         ValueError: unknown name, unreadable YAML, or a bad profile.
     """
+    from_env = name_or_path is None and bool(os.environ.get(PROFILE_ENV))
     if name_or_path is None:
         name_or_path = os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
     key = str(name_or_path)
     profile = _BY_NAME.get(key)
     if profile is None:
-        path = _resolve(name_or_path)
-        profile = _BY_NAME[key] = _load_cached(str(path), path.stat().st_mtime_ns)
+        try:
+            path = _resolve(name_or_path)
+            profile = _BY_NAME[key] = _load_cached(str(path), path.stat().st_mtime_ns)
+        except ValueError as err:
+            if from_env:
+                raise ValueError(f"{PROFILE_ENV}={key!r}: {err}") from err
+            raise
     return profile
 
 

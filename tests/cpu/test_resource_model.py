@@ -325,3 +325,26 @@ def test_prereduce_host_term_is_optional_and_checked():
     for bad in (-1.0, float("nan"), "600"):
         with pytest.raises(ValueError, match="prereduce_host_us"):
             profile_from_dict(dict(good, prereduce_host_us=bad))
+    with pytest.raises(ValueError, match="YAML reads a number like 6e2 as text"):
+        profile_from_dict(dict(good, prereduce_host_us="6e2"))
+
+
+def test_profile_files_name_what_is_wrong(tmp_path, monkeypatch):
+    import yaml
+
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes([0xFB, 0xFF, 0x00, 0x12]))
+    with pytest.raises(ValueError, match="binary.yaml: not a valid YAML text file"):
+        load_profile(binary)
+    with pytest.raises(ValueError, match="is a directory"):
+        load_profile(tmp_path)
+    monkeypatch.setenv("MEGATRON_OVERLAP_HW_PROFILE", "no-such-gpu")
+    with pytest.raises(ValueError, match="MEGATRON_OVERLAP_HW_PROFILE='no-such-gpu': "
+                                         "hardware profile 'no-such-gpu': unknown"):
+        load_profile()
+    older = H200.to_dict()
+    del older["prereduce_host_us"]  # a profile written before v4.6: loads, with a warning
+    path = tmp_path / "older.yaml"
+    path.write_text(yaml.safe_dump(older))
+    with pytest.warns(UserWarning, match="has no prereduce_host_us"):
+        assert load_profile(path).prereduce_host_us == 0.0
