@@ -19,8 +19,9 @@ written, every rank measures alike at the same time, as in the fused op):
 The GPU limits (SMs, registers, shared memory, threads) come from the device properties
 where torch reports them, else from the --base profile. With one rank the link values are
 copied from --base (said in the output), and so is prereduce_host_us always (a host cost:
-launch/bench_op.py's ours_prereduced_host - ours_host). --dry-run measures nothing: it feeds the fits with
-values generated from --base's own model, so that the fitting and writing path runs on CPU.
+launch/bench_op.py's ours_prereduced_host - ours_host). --dry-run measures nothing: it
+feeds the fits with values generated from --base's own model, so that the fitting and
+writing path runs on CPU.
 """
 
 from __future__ import annotations

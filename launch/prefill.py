@@ -1022,8 +1022,9 @@ def time_seq(
         bytes (`megatron_overlap.bench.measure`; None on CPU): "peak_bytes" (absolute),
         "fwd_extra_bytes", "persistent_bytes" (allocated across the variant's first warm-up
         forward of this sequence length; None without warm-up), "symm_workspace_bytes"
-        (flag on only; the workspace is made afresh for each length); "fused_calls": fused-op launches during the timed forwards,
-        "combine_modes": `combine_modes` of the flag-on model}.
+        (flag on only; the workspace is made afresh for each length); "fused_calls":
+        fused-op launches during the timed forwards, "combine_modes": `combine_modes` of the
+        flag-on model}.
 
     Raises:
         RuntimeError: the flag-on model did not launch the fused op once per fused MoE layer
