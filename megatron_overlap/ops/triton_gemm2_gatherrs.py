@@ -416,6 +416,19 @@ class _StagingSlot:
         slot.busy = True
         return slot
 
+    @classmethod
+    def take(cls, ws: GatherRSWorkspace, device, tables: tuple, scratch_size: int):
+        """(slot, kept): a free slot of the workspace (`acquire`, CUDA only; kept=True: the
+        call must release it, `_Call.__del__`), else a slot of the call's own, fitted
+        (kept=False)."""
+        slot = (cls.acquire(ws, tables, scratch_size)
+                if torch.device(device).type == "cuda" else None)
+        if slot is not None:
+            return slot, True
+        slot = cls()
+        slot.fit(device, tables, scratch_size)
+        return slot, False
+
     def fit(self, device, tables: tuple, scratch_size: int) -> None:
         """Room for `tables` and `scratch_size` int32 of scratch (reallocated only when too
         small; the host buffer pinned on a CUDA device), with views for these tables."""
@@ -550,10 +563,8 @@ class _Call:
             # the segments (or, with the host tile list, the tiles); the buffers of a free
             # staging slot of the workspace when there is one (`_StagingSlot`).
             # (else a slot of this call's own, not kept by the workspace)
-            slot = self._slot = _StagingSlot.acquire(ws, tables, sum(sizes)) if self.gpu else None
-            if slot is None:
-                slot = _StagingSlot()
-                slot.fit(device, tables, sum(sizes))
+            slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes))
+            self._slot = slot if kept else None
             buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)

@@ -202,11 +202,8 @@ class PreReducedCall(_Call):
             # targets (int64 as int32 pairs), the send table and the index bases, the
             # segments (or the tiles).
             tables = (r2, send.size + base.size, table.size)
-            slot = self._slot = (_StagingSlot.acquire(ws, tables, sum(sizes))
-                                 if self.gpu else None)
-            if slot is None:
-                slot = _StagingSlot()
-                slot.fit(device, tables, sum(sizes))
+            slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes))
+            self._slot = slot if kept else None
             buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + send.size] = send
