@@ -38,7 +38,6 @@ bit-identical Python twin (`resource.model.mode_times`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -95,12 +94,10 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
             a negative count, or a size out of range; prereduce_host_us negative or not
             finite.
     """
+    from megatron_overlap.resource.profile import _check_float
     from megatron_overlap.resource.solver import implementation
 
-    if (isinstance(prereduce_host_us, bool) or not isinstance(prereduce_host_us, (int, float))
-            or not math.isfinite(prereduce_host_us) or prereduce_host_us < 0):
-        raise ValueError(f"prereduce_host_us={prereduce_host_us!r}: expected a finite "
-                         "number >= 0")
+    _check_float("prereduce_host_us", prereduce_host_us, positive=False)  # the profile's rule
 
     direct, pre, slow_d, slow_p = implementation(solver).mode_times(
         routed_counts, tp_size, ep_size, topk, hidden, elem_bytes, grid, tile_ps, tile[0],
