@@ -82,7 +82,7 @@ from prefill import (
 )
 
 from megatron_overlap.bench.cli import check_launch_inputs, parse_layout
-from megatron_overlap.config import prereduce_arg
+from megatron_overlap.config import PREREDUCE_ARGUMENT
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
@@ -156,8 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from it; 'off-te' is skipped where Transformer Engine is missing)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="moe_gatherrs_backend of the flag-on layer (default auto)")
-    parser.add_argument("--prereduce", type=prereduce_arg, default="auto", nargs="?",
-                        const=True, metavar="{auto,on,off}",
+    parser.add_argument("--prereduce", **PREREDUCE_ARGUMENT,
                         help="moe_gatherrs_prereduce of the flag-on layer: auto (default: "
                              "the resource manager picks direct or pre-reduced per call), on "
                              "(pre-reduced; Triton backend; also the bare flag) or off "

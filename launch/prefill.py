@@ -82,7 +82,7 @@ from megatron_overlap.bench.measure import (  # after the sys.path line
     reduce_max,
     symm_workspace_bytes,
 )
-from megatron_overlap.config import prereduce_arg  # noqa: E402
+from megatron_overlap.config import PREREDUCE_ARGUMENT  # noqa: E402
 
 SCHEMA = "megatron_overlap.prefill/1"
 """`schema` field of every JSON row; bump when a field changes meaning."""
@@ -242,11 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prereduce",
-        type=prereduce_arg,
-        default="auto",
-        nargs="?",
-        const=True,
-        metavar="{auto,on,off}",
+        **PREREDUCE_ARGUMENT,
         help="moe_gatherrs_prereduce of the flag-on model: auto (default: the resource "
              "manager picks direct or pre-reduced per call), on (pre-reduced; Triton "
              "backend; also the bare flag) or off (direct)",

@@ -161,3 +161,9 @@ def prereduce_arg(text: str) -> Union[bool, str]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected one of "
                                          f"{', '.join(PREREDUCE_CHOICES)}")
     return PREREDUCE_CHOICES[text]
+
+
+PREREDUCE_ARGUMENT = dict(type=prereduce_arg, default="auto", nargs="?", const=True,
+                          metavar="{auto,on,off}")
+"""argparse keywords of the combine-mode option (`--moe-gatherrs-prereduce` / the launch
+scripts' `--prereduce`): auto (default), on (also the bare flag) or off."""

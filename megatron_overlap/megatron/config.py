@@ -20,8 +20,8 @@ from megatron_overlap.config import (
     BACKENDS,
     DEFAULT_TIMEOUT_S,
     TIMEOUT_RANGE_S,
+    PREREDUCE_ARGUMENT,
     GatherRSOptions,
-    prereduce_arg,
 )
 
 FLAG = "moe_gatherrs_overlap"
@@ -149,8 +149,7 @@ def add_gatherrs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--moe-gatherrs-timeout-s", type=float_in(*TIMEOUT_RANGE_S),
                        default=DEFAULT_TIMEOUT_S,
                        help="Bound on every GPU spin-wait, seconds.")
-    group.add_argument("--moe-gatherrs-prereduce", type=prereduce_arg, default="auto",
-                       nargs="?", const=True, metavar="{auto,on,off}",
+    group.add_argument("--moe-gatherrs-prereduce", **PREREDUCE_ARGUMENT,
                        help="Combine mode: auto (default: the resource manager picks direct "
                             "or pre-reduced per call), on (sum each token's rows before they "
                             "travel; Triton backend only; also the bare flag) or off "
