@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "experts' stages (and the flag-on 'mo.*' stages) and print rank "
                              "0's host microseconds per stage (also in the rows, "
                              "host_breakdown_us): where a host-bound forward's time goes")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="after timing each workload, run --iters more forwards of 'on' "
+                             "and 'off-grouped' under Python's cProfile and print rank 0's "
+                             "functions by own host time: which Python code a host-bound "
+                             "forward spends its time in")
     parser.add_argument("--trace-dir", default="",
                         help="with --profile: rank 0 also writes each profiled forward as a "
                              "chrome trace <model>_<layout>_<seq>_<variant>.json here (host "
@@ -212,6 +217,7 @@ class RunConfig:
     trace_dir: str = ""
     prereduce: Union[bool, str] = "auto"
     host_breakdown: bool = False
+    cprofile: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -263,6 +269,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         profile=args.profile,
         trace_dir=args.trace_dir,
         host_breakdown=args.host_breakdown,
+        cprofile=args.cprofile,
     )
 
 
@@ -578,6 +585,42 @@ def host_breakdown(layers: dict, x: torch.Tensor, device: torch.device, iters: i
     return out
 
 
+def cprofile_workload(layers: dict, x: torch.Tensor, device: torch.device, title: str,
+                      iters: int, row_limit: int = 30) -> str:
+    """`iters` forwards of "on" and "off-grouped" (those present) under `cProfile`, each
+    after the ranks line up; returns rank 0's `pstats` tables (functions by own time, then
+    by cumulative time) per variant. Every rank runs the forwards (they hold collectives);
+    the profiler's own overhead inflates every function call, so read shares, not
+    absolute times."""
+    import cProfile
+    import pstats
+
+    texts = []
+    with torch.inference_mode():
+        for name in ("on", "off-grouped"):
+            if name not in layers:
+                continue
+            prof = cProfile.Profile()
+            for _ in range(iters):
+                sync(device)
+                prof.enable()
+                layers[name](x)
+                prof.disable()
+            sync(device)
+            stats = pstats.Stats(prof).stats  # {(file, line, fn): (cc, nc, tt, ct, callers)}
+            rows = [(tt, ct, nc, f"{os.path.basename(f)}:{line}({fn})")
+                    for (f, line, fn), (cc, nc, tt, ct, _) in stats.items()]
+            for order, col in (("own", 0), ("cumulative", 1)):
+                lines = [f"== cprofile {title} {name}: top {row_limit} by {order} time, "
+                         f"us per forward ({iters} forwards)",
+                         f"{'own':>9}{'cum':>9}{'calls':>7}  function"]
+                for tt, ct, nc, where in sorted(rows, key=lambda r: -r[col])[:row_limit]:
+                    lines.append(f"{tt / iters * 1e6:9.1f}{ct / iters * 1e6:9.1f}"
+                                 f"{nc / iters:7.1f}  {where}")
+                texts.append("\n".join(lines))
+    return "\n".join(texts)
+
+
 def breakdown_table(breakdown: dict, title: str) -> str:
     """`host_breakdown`'s result as text: one line per stage, one column per variant (us)."""
     names = list(breakdown)
@@ -810,6 +853,12 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                         print(breakdown_table(result["host_breakdown_us"],
                                               f"{shape.name} {info['layout']} seq {seq}"),
                               flush=True)
+                if run.cprofile:
+                    text = cprofile_workload(layers, x, device,
+                                             f"{shape.name} {info['layout']} seq {seq}",
+                                             run.iters)
+                    if rank0:
+                        print(text, flush=True)
                 if run.profile:
                     prefix = ""
                     if run.trace_dir:
