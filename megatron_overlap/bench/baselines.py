@@ -30,12 +30,13 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_overlap.megatron.grouped_experts import (
+    StackedViewCache,
+    autograd_reason,
     expert_matmul,
     grouped_fc1_activation,
     grouped_fc1_unsupported_reason,
     grouped_mm_name,
     stack_parameters_,
-    stacked_weights,
 )
 
 __all__ = [
@@ -99,15 +100,27 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
     `grouped_fc1_unsupported_reason` says no (one local expert, unsupported activation,
     autograd recording, ...) it runs `SequentialMLP.forward` itself. `last_impl` says what
     the last forward ran.
+
+    Its per-forward host work is the flag-on experts' (`GatherRSSequentialMLP`): the same
+    remembered zero-copy weight views (`grouped_experts.StackedViewCache`) and the same
+    cached structural part of the FC1 check, so that where the host paces the layer (a
+    few thousand tokens) "on" vs "off-grouped" still compares the return paths only.
     """
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection,
                          name=name)
         self.last_impl: str | None = None
+        self.fc1_stack_cache = StackedViewCache()  # read by grouped_fc1_activation
+        self.fc2_stack_cache = StackedViewCache()
+        self._fc1_check = (None, None)  # (the linear_fc1 modules, their structural reason)
         self._stack()
 
     def _stack(self) -> None:
+        for cache in (getattr(self, "fc1_stack_cache", None),
+                      getattr(self, "fc2_stack_cache", None)):
+            if cache is not None:
+                cache.clear()  # re-homed parameters: drop views of the old storage
         for part in ("linear_fc1", "linear_fc2"):
             params = [getattr(e, part).weight for e in self.local_experts]
             if all(isinstance(p, torch.nn.Parameter) for p in params):
@@ -122,12 +135,17 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
                 tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         """See the class docstring."""
         x = permuted_local_hidden_states
-        reason = grouped_fc1_unsupported_reason(self, x)
+        # The structural checks loop over every expert's modules: cached per module set
+        # (compared by identity), as in GatherRSSequentialMLP._fc1_loop_reason.
+        key = tuple(e.linear_fc1 for e in self.local_experts)
+        if self._fc1_check[0] != key:
+            self._fc1_check = (key, grouped_fc1_unsupported_reason(self, None))
+        reason = self._fc1_check[1] or autograd_reason(self, x)
         if reason is not None:
             self.last_impl = f"SequentialMLP loop: {reason}"
             return super().forward(x, tokens_per_expert, permuted_probs)
         h, fc1 = grouped_fc1_activation(self, x, tokens_per_expert, permuted_probs)
-        w2, how = stacked_weights([e.linear_fc2.weight for e in self.local_experts])
+        w2, how = self.fc2_stack_cache.get([e.linear_fc2.weight for e in self.local_experts])
         y, impl = expert_matmul(h, w2, tokens_per_expert)
         self.last_impl = f"{fc1}; grouped FC2: {impl}, weights {how}"
         return y, None

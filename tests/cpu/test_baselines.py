@@ -10,6 +10,8 @@ load both ways), compared
   the other side of a rounding boundary: 2 x unit roundoff 2^-9, x2 margin);
 * as whole `MoELayer`s (stock alltoall dispatcher): fp32 1e-5, bf16 2^-6 (as
   test_megatron_flag.TOLERANCE);
+* its per-forward host work is the flag-on experts': a second forward reuses the
+  remembered weight views, a parameter move makes it stack and check again;
 * under autograd the baseline falls back to `SequentialMLP.forward` (says so in
   `last_impl`) and its gradients equal the stock ones.
 
@@ -84,6 +86,26 @@ def _run_case(case: Case, rank: int) -> dict:
     res["experts_mismatch"] = describe_mismatch(out, ref, rel_tol=EXPERTS_TOLERANCE[case.dtype])
     res["experts_impl"] = grouped.experts.last_impl
 
+    # Per-forward host work as the flag-on experts': a second forward reuses the remembered
+    # weight views (no stacking check); after a move (`_apply` re-stacks) they are redone.
+    from megatron_overlap.megatron import grouped_experts
+
+    checks = []
+    original = grouped_experts.stacked_view
+    grouped_experts.stacked_view = lambda t: checks.append(len(t)) or original(t)
+    try:
+        with torch.no_grad():
+            again, _ = grouped.experts(x, counts, probs)
+            res["cached_checks"] = list(checks)
+            grouped.experts._apply(lambda t: t.clone())  # every parameter moves
+            moved, _ = grouped.experts(x, counts, probs)
+    finally:
+        grouped_experts.stacked_view = original
+    res["moved_checks"] = checks[len(res["cached_checks"]):]
+    res["again_mismatch"] = describe_mismatch(again, out, rel_tol=0.0)
+    res["moved_mismatch"] = describe_mismatch(moved, out, rel_tol=0.0)
+    res["moved_impl"] = grouped.experts.last_impl
+
     # Whole layers (stock alltoall dispatcher).
     seq = 16 // case.tp if case.tp > 1 else 16
     hidden = torch.randn(seq, 2, H, generator=gen).to(case.dtype)
@@ -140,6 +162,11 @@ def test_grouped_baseline_matches_sequential_mlp(world):
             assert res["experts_impl"] == (
                 f"grouped FC1: {grouped_mm_name()}, weights view; grouped FC2: "
                 f"{grouped_mm_name()}, weights view"), where
+            # cached: no stacking check on the second forward; redone (FC1, FC2) after a move
+            assert res["cached_checks"] == [], where
+            assert len(res["moved_checks"]) >= 2, where
+            assert res["again_mismatch"] is None and res["moved_mismatch"] is None, where
+            assert res["moved_impl"] == res["experts_impl"], where
             assert res["grad_impl"].startswith("SequentialMLP loop: autograd"), where
             assert res["grad_x"] is None and res["grad_w2"] is None, where
 
