@@ -608,13 +608,16 @@ def cprofile_workload(layers: dict, x: torch.Tensor, device: torch.device, title
                 prof.disable()
             sync(device)
             stats = pstats.Stats(prof).stats  # {(file, line, fn): (cc, nc, tt, ct, callers)}
-            rows = [(tt, ct, nc, f"{os.path.basename(f)}:{line}({fn})")
+            rows = [(tt, ct, nc, f"{os.path.basename(f)}:{line}({fn})",
+                     "megatron_overlap" in f or f"{os.sep}triton{os.sep}" in f)
                     for (f, line, fn), (cc, nc, tt, ct, _) in stats.items()]
-            for order, col in (("own", 0), ("cumulative", 1)):
+            for order, col, ours in (("own", 0, False), ("cumulative", 1, False),
+                                     ("own (megatron_overlap and triton only)", 0, True)):
                 lines = [f"== cprofile {title} {name}: top {row_limit} by {order} time, "
                          f"us per forward ({iters} forwards)",
                          f"{'own':>9}{'cum':>9}{'calls':>7}  function"]
-                for tt, ct, nc, where in sorted(rows, key=lambda r: -r[col])[:row_limit]:
+                picked = [r for r in rows if r[4] or not ours]
+                for tt, ct, nc, where, _ in sorted(picked, key=lambda r: -r[col])[:row_limit]:
                     lines.append(f"{tt / iters * 1e6:9.1f}{ct / iters * 1e6:9.1f}"
                                  f"{nc / iters:7.1f}  {where}")
                 texts.append("\n".join(lines))

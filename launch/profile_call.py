@@ -95,11 +95,78 @@ def main() -> int:
             one(record=False)
         torch.cuda.synchronize()
         ws.check_errors(block=True)
+    # The same calls with the 'mo.*' spans on (host us per span, median), the plan, and
+    # host primitives the launch path uses (us per call, median of 200).
+    from megatron_overlap.profiling import host_times
+
+    spans = {}
+    with torch.no_grad():
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier()
+            with host_times() as times:
+                one(record=False)
+            for key, vals in times.items():
+                spans.setdefault(key, []).append(sum(vals) * 1e6)
+        torch.cuda.synchronize()
+        ws.check_errors(block=True)
+    opts_plan = dict(num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+                     hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
+                     recv_rows=int(maps[rank].sum()))
+    prims = {
+        "plan_gemm2_gatherrs": lambda: plan_gemm2_gatherrs(meta, opts, **opts_plan),
+        "torch.cuda.current_stream(device)": lambda: torch.cuda.current_stream(device),
+        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
+        "torch.cuda.current_device()": lambda: torch.cuda.current_device(),
+        "Event().record()": lambda: torch.cuda.Event().record(),
+        "torch.empty(64, device)": lambda: torch.empty(64, device=device),
+        "tensor.zero_() (64 int32)": lambda: small.zero_(),
+        "h.contiguous()": lambda: h.contiguous(),
+    }
+    small = torch.empty(64, dtype=torch.int32, device=device)
+    # Launch paths of a do-nothing kernel with our launches' argument mix (8 tensors, 16
+    # ints, 2 constexprs): Triton's JIT, FastLauncher, the compiled kernel called directly.
+    import triton
+    import triton.language as tl
+
+    from megatron_overlap.kernels.launch import FastLauncher
+
+    @triton.jit
+    def _noop(p0, p1, p2, p3, p4, p5, p6, p7, i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10,
+              i11, i12, i13, i14, i15, A: tl.constexpr, B: tl.constexpr):
+        if i0 < 0:
+            tl.store(p0, i1 + A + B)
+
+    noop_args = [small] * 8 + [7, 100, 3000, 5, 1 << 20, 9, 11, 12, 13, 14, 15, 16, 17, 18,
+                               19, 20]
+    fast_noop = FastLauncher(_noop)
+    compiled_noop = _noop[(1,)](*noop_args, A=1, B=2)
+    prims.update({
+        "noop 24 args: kernel[grid](...) (JIT)": lambda: _noop[(1,)](*noop_args, A=1, B=2),
+        "noop 24 args: FastLauncher": lambda: fast_noop((1,), *noop_args, A=1, B=2),
+        "noop 24 args: compiled[grid](...)": lambda: compiled_noop[(1, 1, 1)](*noop_args, 1, 2),
+    })
+    prim_us = {}
+    for name, fn in prims.items():
+        vals = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            fn()
+            vals.append((time.perf_counter() - t0) * 1e6)
+        prim_us[name] = statistics.median(vals)
+    torch.cuda.synchronize()
     if rank == 0:
         print(f"{args.model} {args.tokens} tokens/rank, world {world}: host ms per stage "
               "(median)")
         for key, vals in stages.items():
             print(f"  {key:16s} {statistics.median(vals):.3f}")
+        print("host us per span (median):")
+        for key, vals in sorted(spans.items()):
+            print(f"  {key:24s} {statistics.median(vals):8.1f}")
+        print("host us per primitive (median of 200):")
+        for key, val in prim_us.items():
+            print(f"  {key:36s} {val:8.1f}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if group is not None:
         dist.barrier()
