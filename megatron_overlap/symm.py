@@ -240,16 +240,18 @@ class GatherRSWorkspace:
         self.finalize_ctas += int(num_ctas)
         return self.finalize_ctas
 
-    def record_error_check(self) -> None:
+    def record_error_check(self, stream=None) -> None:
         """Queue an asynchronous copy of the error record (after the kernels just launched on
-        the current stream); `check_errors` reads it."""
+        the current stream, which the caller may pass as `stream`); `check_errors` reads
+        it."""
         self._check_alive()
         if self.device.type != "cuda":
             return
         self._error_host.copy_(self.error, non_blocking=True)
         if self._error_event is None:
             self._error_event = torch.cuda.Event()
-        self._error_event.record(torch.cuda.current_stream(self.device))
+        self._error_event.record(torch.cuda.current_stream(self.device) if stream is None
+                                 else stream)
 
     def check_errors(self, block: bool = True) -> None:
         """Raise if a kernel recorded a timeout.

@@ -29,10 +29,10 @@ end):
   target (acquire, system scope; targets are cumulative over calls, counters are never
   reset), then sums each token's rows (its top-k experts' outputs, times TP partials) in a
   fixed order (expert ascending, then TP rank) into the output: deterministic. The rows of
-  each token come from `_index_kernel` (row = base[tp, e] + rank of the token among expert
-  e's tokens, from the routing map's per-block token counts (`_block_count_block`) and an
-  in-block prefix sum), which needs only the routing map and so runs when the call is
-  prepared (while FC1 runs). Its last CTA adds 1 to this rank's finalize count on every
+  each token come from the finalize index (`_index_block`: row = base[tp, e] + rank of the
+  token among expert e's tokens, from the routing map's per-block token counts, counted by
+  `_block_count_block` when the call is prepared, and an in-block prefix sum), which the
+  GEMM2 kernel's CTAs build after their tiles. Its last CTA adds 1 to this rank's finalize count on every
   other rank (release, system scope): the buffer is free for the next call.
 
 In the default (direct) layout no pre-reduction happens before the rows travel: every
@@ -214,21 +214,31 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, peer_sig_
 # shape); the strides, F and H are (16-divisibility makes the loads vectorise and the K loop
 # software-pipeline).
 @triton.jit(do_not_specialize=["num_remote", "num_local", "my_rank", "num_ranks", "num_comm",
-                               "N", "freed_target", "timeout_ns"])
+                               "N", "freed_target", "timeout_ns", "index_blocks", "num_tokens",
+                               "num_experts"])
 def _gemm_scatter_kernel(
     h_ptr, w2_ptr, tiles_ptr, num_remote, num_local, counters_ptr, peer_recv_ptrs,
     peer_sig_ptrs, sig_ptr, my_rank, num_ranks, num_comm, freed_target, timeout_ns, err_ptr,
     N, F, H, L, stride_h, stride_wl, stride_wn,
+    rmap_ptr, counts_ptr, base_ptr, index_ptr, index_blocks, num_tokens, num_experts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-    STATIC: tl.constexpr, USE_TIMER: tl.constexpr,
+    STATIC: tl.constexpr, USE_TIMER: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
+    EP2: tl.constexpr, IBT: tl.constexpr, CB: tl.constexpr,
 ):
-    """Run this CTA's share of the GEMM2 tiles; see the module docstring.
+    """Run this CTA's share of the GEMM2 tiles, then its share of the finalize index; see
+    the module docstring.
 
     tiles: int32 [num_remote + num_local, TILE_FIELDS]. STATIC: one list in wave order
     (CTA p takes p, p + G, ...). Dynamic: the remote-bound tiles, then the local ones, each
     claimed through its counter (counters int32 [2], zero before the launch). sig: this
     rank's int64 [2 * num_ranks] counters (arrivals, then every rank's finalize count);
     a remote destination's tiles are stored once its finalize count reached freed_target.
+
+    After its tiles and its last signal, CTA p builds the finalize index's token blocks p,
+    p + G, ... < index_blocks (`_index_block` with rmap, counts, base, index, num_tokens,
+    num_experts, TP, K, EP2, IBT, CB; 0 blocks: none): one launch less on the host's
+    critical path than a kernel of its own, and the work fills the CTAs that finish their
+    tiles early. The finalize (the next launch on the stream) reads the index.
     """
     a_desc = None
     b_desc = None
@@ -268,6 +278,9 @@ def _gemm_scatter_kernel(
                 t = t_next
     if pend > 0:
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
+    for b in range(pid, index_blocks, grid):
+        _index_block(b, rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,
+                     TP, K, EP2, IBT, CB)
 
 
 @triton.jit
@@ -362,20 +375,20 @@ def _prepare_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, gri
                            EP2, BT)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
-def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,
-                  TP: tl.constexpr, K: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr,
-                  CB: tl.constexpr):
-    """index[t, j * TP + tp] = base[tp, e_j] + cum[t, e_j] for token t's j-th expert e_j
+@triton.jit
+def _index_block(b, rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,
+                 TP: tl.constexpr, K: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr,
+                 CB: tl.constexpr):
+    """Token block b of the finalize index: index[t, j * TP + tp] = base[tp, e_j] + cum[t, e_j] for token t's j-th expert e_j
     (ascending), -1 past its last one; cum[t, e] = tokens <= t routed to e (cum - 1 is t's
     rank among expert e's tokens).
 
     rmap: uint8 [T, E] routing map; counts: int32 [ceil(T / BT), E] per token block
     (`_block_count_block`, same BT); base: int32 [TP, E]; index: int32 [T, K * TP]. Block b
     gets cum as the sum of the counts of blocks < b (CB blocks per load) plus an in-block
-    scan. Needs only the routing map: launched when the call is prepared.
+    scan. Needs only the routing map and the counts (`_gemm_scatter_kernel` runs it after
+    its tiles, `_index_kernel` alone).
     """
-    b = tl.program_id(0)
     tokens = b * BT + tl.arange(0, BT)
     experts = tl.arange(0, EP2)
     t_ok = tokens < num_tokens
@@ -400,6 +413,16 @@ def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_exp
             tl.store(index_ptr + tokens.to(tl.int64) * (K * TP) + j * TP + tp,
                      tl.where(found, base + rank, -1), mask=t_ok)
         prev = tl.where(found, e_j, EP2)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
+def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,
+                  TP: tl.constexpr, K: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr,
+                  CB: tl.constexpr):
+    """The finalize index alone, one token block per CTA (`_index_block`): the pre-reduced
+    mode's per-destination indices, and a direct call's index before its GEMM2 ran."""
+    _index_block(tl.program_id(0), rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens,
+                 num_experts, TP, K, EP2, BT, CB)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_ranks", "my_rank", "timeout_ns",

@@ -357,8 +357,14 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         prepared, self._prepared, self._was_prepared = self._prepared, None, False
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         with span("mo.gemm2_gatherrs"):
-            out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,
-                                 plan=self.plan, prepared=prepared)
+            if prepared is not None:
+                # Prepared by prepare_combine for this very metadata: run it (it checks h
+                # and w2 against what it was prepared for) without gemm2_gatherrs's
+                # argument checks, which hold by construction here.
+                out = prepared.run(h, w2)
+            else:
+                out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,
+                                     plan=self.plan, prepared=None)
         self.metadata = None
         return out.view(self.hidden_shape)
 

@@ -18,12 +18,11 @@ Per call, on this rank (DESIGN.md §3):
   2. device, current stream: the tile list (`_tile_list_block`: the segments' tiles,
      wave-ordered for the plan's k communication CTAs) and the routing map's token counts
      per block (`_block_count_block`), both in one launch (`_prepare_kernel`); once h
-     exists, `_gemm_scatter_kernel` (persistent, `plan.num_ctas` CTAs), then the finalize
-     index (`_index_kernel`: the routing map's prefix sum over tokens, compacted per
-     token) and `_finalize_kernel`. The tile list needs only the metadata: `_Call` launches
-     it at construction ("prepare"), which the Megatron layer does while FC1 runs; the
-     index is launched with the finalize, after the GEMM2, so that its host time overlaps
-     the GEMM2 instead of delaying its launch;
+     exists, `_gemm_scatter_kernel` (persistent, `plan.num_ctas` CTAs), whose CTAs build
+     the finalize index (`_index_block`: the routing map's prefix sum over tokens,
+     compacted per token) after their tiles, then `_finalize_kernel`: three launches a
+     call. The tile list needs only the metadata: `_Call` launches it at construction
+     ("prepare"), which the Megatron layer does while FC1 runs;
   3. the error record is copied to pinned memory asynchronously and checked at the start of
      the next call on the workspace (or now with `finish(sync_errors=True)`, or by
      `GatherRSWorkspace.check_errors()`): a finalize that timed out raises RuntimeError
@@ -378,7 +377,7 @@ class _StagingSlot:
     """
 
     __slots__ = ("busy", "event", "fences", "host", "dev", "host_np", "host_view", "dev_view",
-                 "views", "tables", "scratch")
+                 "views", "tables", "scratch", "_parts")
     RING = 4
     """Slots per workspace."""
 
@@ -387,7 +386,7 @@ class _StagingSlot:
         self.event = None
         self.fences: list = []
         self.host = self.dev = self.host_np = self.host_view = self.dev_view = None
-        self.views = self.tables = self.scratch = None
+        self.views = self.tables = self.scratch = self._parts = None
 
     def _free(self) -> bool:
         if self.busy or (self.event is not None and not self.event.query()):
@@ -398,12 +397,17 @@ class _StagingSlot:
         return True
 
     @classmethod
-    def acquire(cls, ws: GatherRSWorkspace, tables: tuple, scratch_size: int):
+    def acquire(cls, ws: GatherRSWorkspace, tables: tuple, scratch_size: int, stream=None):
         """A free slot of `ws` with room for `tables` (int32 sizes of its three parts, see
-        the class docstring) and `scratch_size` int32 of scratch, marked busy; or None."""
+        the class docstring) and `scratch_size` int32 of scratch, marked busy; or None.
+        `stream`: the current stream of ws.device, if the caller has it."""
         ring = ws.staging_slots
-        if ws.stream is None or torch.cuda.current_stream(ws.device) != ws.stream:
-            return None  # the first call, or another stream than the workspace's
+        if ws.stream is None:
+            return None  # the first call
+        if stream is None:
+            stream = torch.cuda.current_stream(ws.device)
+        if stream != ws.stream:
+            return None  # another stream than the workspace's
         for slot in ring:
             if slot._free():
                 break
@@ -417,11 +421,12 @@ class _StagingSlot:
         return slot
 
     @classmethod
-    def take(cls, ws: GatherRSWorkspace, device, tables: tuple, scratch_size: int):
+    def take(cls, ws: GatherRSWorkspace, device, tables: tuple, scratch_size: int,
+             stream=None):
         """(slot, kept): a free slot of the workspace (`acquire`, CUDA only; kept=True: the
         call must release it, `_Call.__del__`), else a slot of the call's own, fitted
-        (kept=False)."""
-        slot = (cls.acquire(ws, tables, scratch_size)
+        (kept=False). `stream`: device's current stream, if the caller has it."""
+        slot = (cls.acquire(ws, tables, scratch_size, stream)
                 if torch.device(device).type == "cuda" else None)
         if slot is not None:
             return slot, True
@@ -448,16 +453,34 @@ class _StagingSlot:
                           self.dev[r2 + n_base: need].view(-1, k.TILE_FIELDS))
             self.tables = tables
         if self.scratch is None or self.scratch.numel() < scratch_size:
-            self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024,
-                                       dtype=torch.int32, device=device)
+            with torch.inference_mode(False):
+                self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024,
+                                           dtype=torch.int32, device=device)
+            self._parts = None
 
-    def copy_in(self, device) -> None:
-        """Upload the tables (asynchronous, on `device`'s current stream) and record the
-        event there; off CUDA, a plain copy."""
+    def scratch_parts(self, n_index: int, n_counts: int, index_shape: tuple):
+        """(index [index_shape], block counts [n_counts], the rest): views of the scratch in
+        that order, the block counts at n_index (index_shape's size rounded up to a multiple
+        of 4) and the rest at n_index + `_align4(n_counts)`, so every part starts 16-byte
+        aligned. Remembered
+        while the scratch and these sizes stay (a prefill's calls share them; the part
+        whose size follows the routing, the tile list, comes last and open-ended)."""
+        key = (n_index, n_counts, index_shape)
+        if self._parts is None or self._parts[0] != key:
+            rest = n_index + _align4(n_counts)
+            scratch = self.scratch
+            self._parts = (key, scratch[: index_shape[0] * index_shape[1]].view(index_shape),
+                           scratch[n_index: n_index + n_counts], scratch[rest:])
+        return self._parts[1:]
+
+    def copy_in(self, device, stream=None) -> None:
+        """Upload the tables (asynchronous, on `device`'s current stream, which the caller
+        may pass as `stream`) and record the event there; off CUDA, a plain copy."""
         if torch.device(device).type != "cuda":
             self.dev_view.copy_(self.host_view)
             return
-        stream = torch.cuda.current_stream(device)
+        if stream is None:
+            stream = torch.cuda.current_stream(device)
         # normal tensors (made outside inference mode): in place in either mode
         self.dev_view.copy_(self.host_view, non_blocking=True)
         if self.event is None:
@@ -498,7 +521,10 @@ class _Call:
     and specialisation lines the ranks up after compiling)."""
 
     _index_args = None
-    """Arguments of the finalize-index launch (`launch_index`; None: no index)."""
+    """Arguments of the finalize-index launch alone (`launch_index`; None: no index)."""
+    _fold = None
+    """The finalize index's arguments of `_gemm_scatter_kernel` (routing map, block counts,
+    bases, index, token blocks, tokens, experts); None: the GEMM2 builds no index."""
     _indexed = False
 
     def _init_common(self, meta, ws, plan, hidden, dtype, device, timeout_s, tile) -> None:
@@ -517,6 +543,15 @@ class _Call:
         if meta.routing_map is None:
             raise ValueError("the Triton backend needs meta.routing_map "
                              "(build_metadata(..., routing_map=...))")
+        # The finalize index's constexprs (`_index_block`, also arguments of every GEMM2
+        # launch): TP partials, top-k slots, experts rounded up to a power of two, tokens
+        # per block, counts per load.
+        num_experts = meta.routing_map.shape[1]
+        ep2 = max(16, _pow2(num_experts))
+        self._index_meta = dict(
+            TP=meta.tp_size, K=max(1, min(int(meta.topk or num_experts), num_experts)),
+            EP2=ep2, BT=INDEX_BLOCK_TOKENS if self.gpu else 16, CB=32,
+            num_warps=8 if ep2 >= 256 else 4)
 
     def __init__(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan, *,
                  hidden: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
@@ -526,6 +561,7 @@ class _Call:
         with span("mo.direct_layout"):
             lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
             self.num_remote, self.num_local = lay.num_remote, lay.num_local
+            self.num_rows = int(lay.segments[:, 2].sum()) if len(lay.segments) else 0
             tile_list = tile_list_source()
             # Wave order: each wave of `grid` entries holds kc remote-bound tiles (`wave_order`).
             waves = (self.tile.static and self.num_remote > 0 and self.num_local > 0
@@ -548,14 +584,16 @@ class _Call:
         num_tiles = self.num_remote + self.num_local
         rmap = meta.routing_map.view(torch.uint8)
         num_experts = rmap.shape[1]
-        kmax = max(1, min(int(meta.topk or num_experts), num_experts))
-        bt = INDEX_BLOCK_TOKENS if self.gpu else 16
+        im = self._index_meta
+        kmax, bt, ep2, warps = im["K"], im["BT"], im["EP2"], im["num_warps"]
         nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
         # Device scratch: the tile list, the per-block token counts, the index, each part
         # starting 16-byte aligned (`_align4`).
         n_tiles = 0 if tile_list == "host" else num_tiles * k.TILE_FIELDS
         n_counts = nb * num_experts
-        sizes = (_align4(n_tiles), _align4(n_counts), meta.num_tokens * kmax * meta.tp_size)
+        index_shape = (meta.num_tokens, kmax * meta.tp_size)
+        # index, block counts, tile list (`_StagingSlot.scratch_parts`)
+        sizes = (_align4(index_shape[0] * index_shape[1]), _align4(n_counts), n_tiles)
         r2, n_base = 2 * meta.group_size, lay.finalize_base.size
         tables = (r2, n_base, table.size)
         with span("mo.h2d"):
@@ -563,40 +601,38 @@ class _Call:
             # the segments (or, with the host tile list, the tiles); the buffers of a free
             # staging slot of the workspace when there is one (`_StagingSlot`).
             # (else a slot of this call's own, not kept by the workspace)
-            slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes))
+            stream = torch.cuda.current_stream(device) if self.gpu else None
+            slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes), stream)
             self._slot = slot if kept else None
             buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
             buf[r2 + n_base:] = table.reshape(-1)
-            slot.copy_in(device)
+            slot.copy_in(device, stream)
             self.targets, self.finalize_base, table = slot.views
         with span("mo.prepare_kernels"):
-            scratch = slot.scratch[: sum(sizes)]
-            tiles = scratch[:n_tiles]
-            block_counts = scratch[sizes[0]: sizes[0] + n_counts]
-            index = scratch[sizes[0] + sizes[1]:]
-            self.tiles = table if tile_list == "host" else tiles.view(-1, k.TILE_FIELDS)
-            self.index = index.view(meta.num_tokens, kmax * meta.tp_size)
+            self.index, block_counts, tiles = slot.scratch_parts(sizes[0], n_counts,
+                                                                 index_shape)
+            # the tile list the kernels read (device: the open-ended rest of the scratch)
+            self._tiles_arg = table if tile_list == "host" else tiles
             tile_blocks = 0 if tile_list == "host" else _cdiv(num_tiles, TILE_LIST_BLOCK)
-            ep2 = max(16, _pow2(num_experts))
-            warps = 8 if ep2 >= 256 else 4
             if tile_blocks + nb:
-                # Tile list and block counts (independent) in one launch; the index follows
-                # with the finalize (`launch_index`).
+                # Tile list and block counts (independent) in one launch; the GEMM2 builds
+                # the index from the counts.
                 segs = len(lay.segments)
                 _prepare(
-                    (tile_blocks + nb,), table, self.tiles, segs, self.num_remote,
+                    (tile_blocks + nb,), table, self._tiles_arg, segs, self.num_remote,
                     self.num_local, self.grid, kc, lay.col_blocks, max(1, segs.bit_length()),
                     tile_blocks, rmap, block_counts, meta.num_tokens, num_experts,
                     BM=self.tile.bm, BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK,
                     EP2=ep2, BT=bt, num_warps=warps)
-            # The finalize index is launched by `finalize`, after the GEMM2: its host time
-            # then overlaps the GEMM2 instead of delaying it (the GPU runs it in between).
+            # The finalize index: built by the GEMM2 kernel's CTAs after their tiles (no
+            # launch of its own); `launch_index` launches `_index_kernel` alone where the
+            # GEMM2 has not run.
             self._index_args = ((nb,), rmap, block_counts, self.finalize_base, self.index,
                                 meta.num_tokens, num_experts)
-            self._index_meta = dict(TP=meta.tp_size, K=kmax, EP2=ep2, BT=bt, CB=32,
-                                    num_warps=warps)
+            self._fold = (rmap, block_counts, self.finalize_base, self.index, nb,
+                          meta.num_tokens, num_experts)
         # Claim counters of the dynamic schedule (zeroed at each launch); the static one
         # reads none.
         self.counters = (None if self.tile.static
@@ -606,17 +642,32 @@ class _Call:
         self.sent = False
         self._finalized = False
 
+    @property
+    def tiles(self) -> torch.Tensor:
+        """int32 [num_remote + num_local, TILE_FIELDS]: the call's tile list in the order the
+        GEMM2 kernel takes it (a view of what the kernels read)."""
+        t = self._tiles_arg
+        if t.dim() == 2:
+            return t
+        return t[: (self.num_remote + self.num_local) * k.TILE_FIELDS].view(-1, k.TILE_FIELDS)
+
+    @tiles.setter
+    def tiles(self, value: torch.Tensor) -> None:
+        self._tiles_arg = value
+
     def __del__(self) -> None:
         slot = self.__dict__.get("_slot")
         if slot is not None:
             slot.busy = False
 
-    def _fence_slot(self) -> None:
+    def _fence_slot(self, stream=None) -> None:
         """After a launch that reads this call's buffers: where it ran on another stream than
-        the workspace's, the staging slot is not reused before that stream gets there."""
+        the workspace's, the staging slot is not reused before that stream gets there.
+        `stream`: the current stream, if the caller has it."""
         slot = self.__dict__.get("_slot")
         if slot is not None:
-            stream = torch.cuda.current_stream(self.device)
+            if stream is None:
+                stream = torch.cuda.current_stream(self.device)
             if stream != self.ws.stream:
                 slot.fence(stream)
 
@@ -631,16 +682,25 @@ class _Call:
         Raises:
             RuntimeError: called twice; sent out of prepare order or on another stream than
                 the workspace's earlier calls (`GatherRSWorkspace.start_send`).
-            ValueError: h / w2 do not match the prepared hidden size, dtype or device (the
-                workspace is unusable afterwards: this call's epoch is taken on every rank).
+            ValueError: h / w2 are not [N, F] / [L, H, F] tensors with the prepared rows N,
+                local experts L, hidden size H, dtype and device (the workspace is unusable
+                afterwards: this call's epoch is taken on every rank).
         """
         if self.sent:
             raise RuntimeError("this prepared gemm2_gatherrs call was already run")
-        if w2.shape[1] != self.hidden or h.dtype != self.dtype or h.device != self.device:
+        if (not isinstance(h, torch.Tensor) or not isinstance(w2, torch.Tensor)
+                or h.dim() != 2 or w2.dim() != 3 or h.shape[0] != self.num_rows
+                or w2.shape[0] != self.meta.num_local_experts or w2.shape[1] != self.hidden
+                or w2.shape[2] != h.shape[1] or h.dtype != self.dtype or w2.dtype != h.dtype
+                or h.device != self.device):
             self.ws.poison(f"call {self.epoch} was prepared but not run (bad operands)")
+            shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                      for t in (h, w2)]
             raise ValueError(
-                f"call prepared for hidden={self.hidden}, {self.dtype} on {self.device}; got "
-                f"w2 {tuple(w2.shape)}, h {h.dtype} on {h.device}")
+                f"call prepared for h [{self.num_rows}, F] and w2 "
+                f"[{self.meta.num_local_experts}, {self.hidden}, F], {self.dtype} on "
+                f"{self.device}; got h {shapes[0]} {getattr(h, 'dtype', '')} on "
+                f"{getattr(h, 'device', '')}, w2 {shapes[1]} {getattr(w2, 'dtype', '')}")
         self.ws.start_send(self.epoch,
                            torch.cuda.current_stream(self.device) if self.gpu else None)
         self.h, self.w2 = h.contiguous(), w2.contiguous()
@@ -648,14 +708,19 @@ class _Call:
         self.use_tma = self.gpu and row_bytes % 16 == 0 and all(
             t.data_ptr() % 16 == 0 for t in (self.h, self.w2))
         with span("mo.send"):
-            self._launch(self.tiles, self.grid, self.num_remote, self.num_local)
+            self._launch(self._tiles_arg, self.grid, self.num_remote, self.num_local,
+                         index=self._fold is not None)
         self.sent = True
+        if self._fold is not None:
+            self._indexed = True  # built by the GEMM2's CTAs
         ws = self.ws
-        key = (self.MODE, self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile)
+        im = self._index_meta
+        key = (self.MODE, self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile,
+               im["TP"], im["K"], im["EP2"])
         if self.gpu and key not in ws.compiled:
             # First call of this specialisation: line the ranks up after their JIT
-            # compilation, so that no rank's finalize waits out another's compile (the
-            # finalize index, launched with the finalize otherwise, is compiled here too).
+            # compilation, so that no rank's finalize waits out another's compile (a
+            # finalize index launched alone, if any, is compiled here too).
             self.launch_index()
             torch.cuda.current_stream(self.device).synchronize()
             if ws.group is not None:
@@ -678,30 +743,42 @@ class _Call:
             self._scratch_ptrs = torch.full((self.meta.group_size,), self._scratch.data_ptr(),
                                             dtype=torch.int64, device=self.device)
         self._launch(tiles, grid or self.grid, num_remote=0,
-                     num_local=self.num_remote + self.num_local, recv_ptrs=self._scratch_ptrs)
+                     num_local=self.num_remote + self.num_local, recv_ptrs=self._scratch_ptrs,
+                     index=False)
 
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
-                recv_ptrs: Optional[torch.Tensor] = None) -> None:
+                recv_ptrs: Optional[torch.Tensor] = None, index: bool = False) -> None:
+        """`_gemm_scatter_kernel` over `tiles`; with `index`, its CTAs also build the
+        finalize index (`_fold`); without, the index arguments are placeholders of the
+        same dtypes (0 token blocks), so both share one compiled kernel."""
         ws, h, w2, t = self.ws, self.h, self.w2, self.tile
         if self.gpu:
             _ensure_allocator()
         if not t.static:
             self.counters.zero_()
+        if index:
+            rmap, counts, base, out, blocks, tokens, experts = self._fold
+        else:
+            rmap, counts, base, out = self.meta.routing_map.view(torch.uint8), tiles, tiles, tiles
+            blocks = tokens = experts = 0
+        im = self._index_meta
         handle = _gemm_scatter(
             (grid,), h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
             ws.peer_recv_ptrs if recv_ptrs is None else recv_ptrs, ws.peer_signal_ptrs,
             ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
             ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
-            w2.stride(0), w2.stride(1), BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma,
-            STATIC=t.static, USE_TIMER=self.gpu, num_warps=t.num_warps,
-            num_stages=t.num_stages,
+            w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks, tokens, experts,
+            BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
+            USE_TIMER=self.gpu, TP=im["TP"], K=im["K"], EP2=im["EP2"], IBT=im["BT"],
+            CB=im["CB"], num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.gpu:
             _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
 
     def launch_index(self) -> None:
-        """Launch the finalize index (`_index_kernel`, into `index`) on the current stream,
-        once per call; `finalize` does it first (after the GEMM2 was launched)."""
+        """Launch the finalize index alone (`_index_kernel`, into `index`) on the current
+        stream, once per call, unless the GEMM2 kernel built it already (`send`);
+        `finalize` calls it first."""
         if self._indexed:
             return
         if self._index_args is not None and self._index_args[0][0]:
@@ -710,7 +787,7 @@ class _Call:
 
     def finalize(self) -> None:
         """`_finalize_kernel` on the current stream (waits for the arrivals), after the
-        finalize index (`_index_kernel`) on the first finalize of the call.
+        finalize index (built by the GEMM2, else `launch_index`).
 
         The first finalize of the call also tells every other rank that this rank's buffer
         is free (its finalize count goes up by one per call, which the producers' waits
@@ -728,7 +805,8 @@ class _Call:
             self.timeout, ws.error, C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu,
             SIGNAL_FREE=signal_free, num_warps=4,
         )
-        self._fence_slot()
+        self._stream = torch.cuda.current_stream(self.device) if self.gpu else None
+        self._fence_slot(self._stream)
         self._finalized = True
 
     def finish(self, sync_errors: bool = False) -> torch.Tensor:
@@ -738,7 +816,7 @@ class _Call:
             raise RuntimeError("_Call.finish before send")
         with span("mo.finalize"):
             self.finalize()
-            self.ws.record_error_check()
+            self.ws.record_error_check(self._stream)
         if sync_errors or not self.gpu:
             self.ws.check_errors(block=True)
         return self.out

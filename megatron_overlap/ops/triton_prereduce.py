@@ -202,14 +202,15 @@ class PreReducedCall(_Call):
             # targets (int64 as int32 pairs), the send table and the index bases, the
             # segments (or the tiles).
             tables = (r2, send.size + base.size, table.size)
-            slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes))
+            stream = torch.cuda.current_stream(device) if self.gpu else None
+            slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes), stream)
             self._slot = slot if kept else None
             buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + send.size] = send
             buf[r2 + send.size: r2 + tables[1]] = base.reshape(-1)
             buf[r2 + tables[1]:] = table.reshape(-1)
-            slot.copy_in(device)
+            slot.copy_in(device, stream)
             self.targets, mid, table = slot.views
             self.send_table = mid[: send.size]
             bases = mid[send.size:].view(num_ranks, 1, num_local)
@@ -270,9 +271,13 @@ class PreReducedCall(_Call):
         self._finalized = False
 
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
-                recv_ptrs: Optional[torch.Tensor] = None) -> None:
+                recv_ptrs: Optional[torch.Tensor] = None, index: bool = False) -> None:
         """The GEMM into y (`_Call._launch` with every tile local and y as the only
-        destination), then the pre-reduced send to every destination (one launch)."""
+        destination; no finalize index in it: `index` must be False, this mode's index is
+        built when the call is prepared), then the pre-reduced send to every destination
+        (one launch)."""
+        if index:
+            raise ValueError("a pre-reduced call's GEMM2 builds no finalize index")
         ws = self.ws
         num_ranks = ws.num_ranks
         self.y = torch.empty(max(1, self.num_rows), self.hidden, dtype=self.dtype,

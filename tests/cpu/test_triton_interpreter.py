@@ -283,6 +283,20 @@ def _simulate() -> dict:
                  timeout_s=0.02)
     call.send(h, w2)
     report["timeout"] = _finish_error(call)
+    # Operands that do not match the prepared call (one row short; one local expert short):
+    # `send` refuses them before any launch.
+    messages = []
+    for bad in ("rows", "experts"):
+        ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
+                              capacity_rows=256)
+        call = _Call(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
+                     timeout_s=0.02)
+        try:
+            call.send(h[:-1] if bad == "rows" else h, w2 if bad == "rows" else w2[:-1])
+            messages.append(None)
+        except ValueError as err:
+            messages.append(str(err))
+    report["bad_operands"] = messages
     # A receive buffer still in use: rank 1 sends call 1 but never finalizes it, so rank 0's
     # producer must time out before storing call 2's rows into rank 1's buffer.
     ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
@@ -347,6 +361,8 @@ def test_kernels_in_interpreter():
         "gemm2_gatherrs (Triton) on tp_ep rank 0: the pre-reduced send timed out waiting for "
         "rank 1 to free its receive buffer: its finalize count 0, expected >= 1"), send_msg
     assert "overwritten" not in send_msg, send_msg
+    for message in report.pop("bad_operands"):
+        assert message is not None and message.startswith("call prepared for h ["), message
     bad = {k: v for k, v in report.items() if v is not None}
     assert not bad, bad
     assert len(report) == 2 * sum(c.tp * c.ep for c in _cases())  # direct + pre-reduced
