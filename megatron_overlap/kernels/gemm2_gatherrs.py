@@ -341,7 +341,7 @@ def _block_count_block(b, rmap_ptr, counts_ptr, num_tokens, num_experts, EP2: tl
     """counts[b, e] = tokens t in [b * BT, (b + 1) * BT) routed to expert e.
 
     rmap: uint8 [T, E] routing map; counts: int32 [ceil(T / BT), E]. The first half of the
-    routing map's prefix sum over tokens (`_index_kernel` adds the rest): a column scan as
+    routing map's prefix sum over tokens (`_index_block` adds the rest): a column scan as
     one torch.cumsum over [T, E] runs one thread per expert down all T tokens (0.72 ms at
     T = 4096, E = 128 on H200; docs/perf_notes.md).
     """
@@ -435,7 +435,7 @@ def _finalize_kernel(
     """out[t] = sum over c < C of recv[index[t, c]] (fp32 sum, fixed order), then "receive
     buffer free" to every other rank.
 
-    index: int32 [T, C] (`_index_kernel`; -1: none); targets: int64 [R], the arrival count
+    index: int32 [T, C] (`_index_block`; -1: none); targets: int64 [R], the arrival count
     each other rank must have reached first (sig[s], s < num_ranks). done: this rank's int64
     counter of finished finalize CTAs, over all calls; the CTA that brings it to
     last_done + 1 is the call's last: it adds 1 to this rank's finalize count on every

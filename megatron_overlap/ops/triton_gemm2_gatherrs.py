@@ -85,7 +85,8 @@ INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
 FINALIZE_BLOCK = (32, 128)
 """Tokens x columns per finalize CTA."""
 INDEX_BLOCK_TOKENS = 64
-"""Tokens per CTA of `_block_count_block` / `_index_kernel` on the GPU."""
+"""Tokens per CTA of `_block_count_block` and per block of the finalize index
+(`_index_block`) on the GPU."""
 TILE_LIST_BLOCK = 256
 """Tile entries per CTA of `_tile_list_block`."""
 
