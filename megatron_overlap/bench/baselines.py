@@ -31,10 +31,9 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
-    autograd_reason,
+    cached_fc1_reason,
     expert_matmul,
     grouped_fc1_activation,
-    grouped_fc1_unsupported_reason,
     grouped_mm_name,
     stack_parameters_,
 )
@@ -113,7 +112,7 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
         self.last_impl: str | None = None
         self.fc1_stack_cache = StackedViewCache()  # read by grouped_fc1_activation
         self.fc2_stack_cache = StackedViewCache()
-        self._fc1_check = (None, None)  # (the linear_fc1 modules, their structural reason)
+        self._fc1_check = None  # (the linear_fc1 modules, their structural reason)
         self._stack()
 
     def _stack(self) -> None:
@@ -135,12 +134,7 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
                 tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         """See the class docstring."""
         x = permuted_local_hidden_states
-        # The structural checks loop over every expert's modules: cached per module set
-        # (compared by identity), as in GatherRSSequentialMLP._fc1_loop_reason.
-        key = tuple(e.linear_fc1 for e in self.local_experts)
-        if self._fc1_check[0] != key:
-            self._fc1_check = (key, grouped_fc1_unsupported_reason(self, None))
-        reason = self._fc1_check[1] or autograd_reason(self, x)
+        reason = cached_fc1_reason(self, x)  # as GatherRSSequentialMLP's
         if reason is not None:
             self.last_impl = f"SequentialMLP loop: {reason}"
             return super().forward(x, tokens_per_expert, permuted_probs)

@@ -32,8 +32,9 @@ end):
   each token come from the finalize index (`_index_block`: row = base[tp, e] + rank of the
   token among expert e's tokens, from the routing map's per-block token counts, counted by
   `_block_count_block` when the call is prepared, and an in-block prefix sum), which the
-  GEMM2 kernel's CTAs build after their tiles. Its last CTA adds 1 to this rank's finalize count on every
-  other rank (release, system scope): the buffer is free for the next call.
+  GEMM2 kernel's CTAs build after their tiles. The finalize's last CTA adds 1 to this
+  rank's finalize count on every other rank (release, system scope): the buffer is free
+  for the next call.
 
 In the default (direct) layout no pre-reduction happens before the rows travel: every
 (token, expert) row is stored once,

@@ -30,9 +30,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron_overlap.megatron.config import gatherrs_enabled
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
-    autograd_reason,
+    cached_fc1_reason,
     grouped_fc1_activation,
-    grouped_fc1_unsupported_reason,
     mlp_parts_replaced,
     stack_parameters_,
 )
@@ -64,7 +63,7 @@ class GatherRSSequentialMLP(SequentialMLP):
         # thousand tokens): the stacked views, and the structural part of the FC1 check.
         self.fc1_stack_cache = StackedViewCache()
         self.fc2_stack_cache = StackedViewCache()
-        self._fc1_check = (None, None)  # (the linear_fc1 modules, their structural reason)
+        self._fc1_check = None  # (the linear_fc1 modules, their structural reason)
         if self.stacks_weights:
             self.stack_weights_()
 
@@ -102,12 +101,7 @@ class GatherRSSequentialMLP(SequentialMLP):
             return "fc1_impl='loop'"
         if self.fc1_impl == "auto" and not x.is_cuda:
             return f"fc1_impl='auto' takes the grouped GEMM on CUDA only (rows on {x.device})"
-        # The structural checks loop over every expert's modules: cached per module set
-        # (the modules themselves, compared by identity, so no id can be reused meanwhile).
-        key = tuple(e.linear_fc1 for e in self.local_experts)
-        if self._fc1_check[0] != key:
-            self._fc1_check = (key, grouped_fc1_unsupported_reason(self, None))
-        return self._fc1_check[1] or autograd_reason(self, x)
+        return cached_fc1_reason(self, x)  # the structural part remembered per module set
 
     def forward_fc1(
         self,

@@ -294,6 +294,26 @@ def grouped_fc1_unsupported_reason(experts: torch.nn.Module,
         experts: a `SequentialMLP` (or subclass).
         x: the rows about to go through FC1 (for the autograd check), if known.
     """
+    return fc1_structural_reason(experts) or autograd_reason(experts, x)
+
+
+def cached_fc1_reason(experts: torch.nn.Module, x: torch.Tensor | None = None) -> str | None:
+    """`grouped_fc1_unsupported_reason(experts, x)` with its structural part remembered on
+    `experts` (attribute `_fc1_check`) per set of `linear_fc1` modules (compared by
+    identity, so no id can be reused meanwhile): that part loops over every expert, once
+    per forward on the host's critical path otherwise. The autograd part, which changes
+    with the caller's grad mode, is asked every time."""
+    key = tuple(e.linear_fc1 for e in experts.local_experts)
+    cached = getattr(experts, "_fc1_check", None)
+    if cached is None or cached[0] != key:
+        cached = (key, fc1_structural_reason(experts))
+        experts._fc1_check = cached
+    return cached[1] or autograd_reason(experts, x)
+
+
+def fc1_structural_reason(experts: torch.nn.Module) -> str | None:
+    """The part of `grouped_fc1_unsupported_reason` that depends only on the config and the
+    modules (not on the grad mode)."""
     config = experts.config
     mlps = list(experts.local_experts)
     if len(mlps) < 2:
@@ -315,13 +335,14 @@ def grouped_fc1_unsupported_reason(experts: torch.nn.Module,
             return f"local expert {i}'s linear_fc1 has no weight parameter or has a bias"
         if getattr(fc1, "gtp_remat_size", 1) > 1:
             return f"local expert {i}'s linear_fc1 is GTP-sharded"
-    return autograd_reason(experts, x)
+    return None
 
 
 def autograd_reason(experts: torch.nn.Module, x: torch.Tensor | None = None) -> str | None:
-    """The autograd part of `grouped_fc1_unsupported_reason` (the rest depends only on the
-    config and the modules, so callers may cache it): a reason while autograd records for
-    the FC1 weights or x, else None."""
+    """The autograd part of `grouped_fc1_unsupported_reason` (the rest,
+    `fc1_structural_reason`, depends only on the config and the modules, so callers may
+    cache it: `cached_fc1_reason`): a reason while autograd records for the FC1 weights or
+    x, else None."""
     if not torch.is_grad_enabled():
         return None
     params = [m.linear_fc1.weight for m in experts.local_experts]

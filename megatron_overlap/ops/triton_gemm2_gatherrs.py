@@ -89,6 +89,10 @@ INDEX_BLOCK_TOKENS = 64
 (`_index_block`) on the GPU."""
 TILE_LIST_BLOCK = 256
 """Tile entries per CTA of `_tile_list_block`."""
+FOLD_MAX_EP2 = 128
+"""Up to this many experts (rounded up to a power of two), the GEMM2 kernel's CTAs build the
+finalize index after their tiles; above, `_index_kernel` runs alone after the GEMM2 (the
+index's [64, EP2] int32 tiles would crowd the GEMM2 kernel's registers)."""
 
 
 def default_tile(device: torch.device) -> TileConfig:
@@ -325,15 +329,38 @@ _gemm_scatter = FastLauncher(k._gemm_scatter_kernel)
 _finalize = FastLauncher(k._finalize_kernel)
 
 _RESOURCES: dict = {}
-"""(dtype, F, H, TileConfig) -> KernelResources of the compiled `_gemm_scatter_kernel`."""
+"""(dtype, F, H, TileConfig, `gemm_index_key`) -> KernelResources of the compiled
+`_gemm_scatter_kernel`."""
+
+_PLACEHOLDER_INDEX = (1, 1, 16)
+"""(TP, K, EP2) of a GEMM2 kernel that builds no finalize index (`gemm_index_key`)."""
+
+
+def gemm_index_key(tp_size: int, topk: Optional[int], num_experts: int) -> tuple:
+    """(TP, K, EP2): the finalize index's constexprs in the GEMM2 kernel, part of its
+    specialisation: TP partials, top-k slots (K = top-k, or E when unknown, at most E),
+    experts rounded up to a power of two (>= 16); `_PLACEHOLDER_INDEX` where EP2 exceeds
+    `FOLD_MAX_EP2` (the index runs alone there)."""
+    ep2 = max(16, _pow2(num_experts))
+    if ep2 > FOLD_MAX_EP2:
+        return _PLACEHOLDER_INDEX
+    return (tp_size, max(1, min(int(topk or num_experts), num_experts)), ep2)
 
 
 def compiled_resources(dtype: torch.dtype, ffn: int, hidden: int,
-                       tile: Optional[TileConfig] = None) -> Optional[KernelResources]:
+                       tile: Optional[TileConfig] = None,
+                       index: Optional[tuple] = None) -> Optional[KernelResources]:
     """Registers, shared memory and threads of the GEMM2 + scatter kernel compiled for this
     shape (the resource manager's occupancy input), or None before its first GPU launch in
-    this process."""
-    return _RESOURCES.get((dtype, ffn, hidden, tile or DEFAULT_TILE))
+    this process. `index`: `gemm_index_key` of the call (None: any; the first recorded for
+    this shape)."""
+    if index is not None:
+        return _RESOURCES.get((dtype, ffn, hidden, tile or DEFAULT_TILE, index))
+    want = (dtype, ffn, hidden, tile or DEFAULT_TILE)
+    for key, res in _RESOURCES.items():
+        if key[:4] == want:
+            return res
+    return None
 
 
 def _record_resources(key, handle) -> None:
@@ -360,8 +387,9 @@ class _StagingSlot:
     """Per-call buffers that a workspace keeps for reuse (CUDA; both modes): a pinned host
     buffer of the call's tables in three parts (targets; the direct call's finalize bases
     or the pre-reduced call's send table and index bases; segments or tiles) with the event
-    of its last upload, their device copy with its views, and the device scratch (tile list,
-    block counts, then the direct call's finalize index or the pre-reduced call's rowy).
+    of its last upload, their device copy with its views, and the device scratch (a direct
+    call's finalize index, block counts and tile list, `scratch_parts`; a pre-reduced call's
+    tile list, block counts and rowy).
     Saves a pinned and two device allocations, and the views, per call on the host's
     critical path.
 
@@ -501,7 +529,8 @@ class _Call:
 
     Construction does the host work and needs only the metadata: the tables, the arrival
     targets, one asynchronous H2D copy (into a reused `_StagingSlot` where one is free) and
-    the tile list, on the current stream; the finalize index follows with the finalize.
+    the tile list, on the current stream; the GEMM2 kernel builds the finalize index after
+    its tiles (up to `FOLD_MAX_EP2` experts, else `_index_kernel` runs before the finalize).
     The Megatron layer prepares the call right after it enqueues FC1, so this host
     work overlaps FC1 on the GPU. `send` launches the GEMM2 + scatter kernel and
     `finish` the finalize; `run` does both. A prepared call must be run: its arrival
@@ -544,15 +573,17 @@ class _Call:
         if meta.routing_map is None:
             raise ValueError("the Triton backend needs meta.routing_map "
                              "(build_metadata(..., routing_map=...))")
-        # The finalize index's constexprs (`_index_block`, also arguments of every GEMM2
-        # launch): TP partials, top-k slots, experts rounded up to a power of two, tokens
-        # per block, counts per load.
+        # The finalize index's constexprs (`_index_block`): TP partials, top-k slots,
+        # experts rounded up to a power of two, tokens per block, counts per load; and
+        # those every GEMM2 launch of the call passes (`gemm_index_key`: the same where the
+        # GEMM2 builds the index, placeholders where it cannot).
         num_experts = meta.routing_map.shape[1]
         ep2 = max(16, _pow2(num_experts))
         self._index_meta = dict(
             TP=meta.tp_size, K=max(1, min(int(meta.topk or num_experts), num_experts)),
             EP2=ep2, BT=INDEX_BLOCK_TOKENS if self.gpu else 16, CB=32,
             num_warps=8 if ep2 >= 256 else 4)
+        self._gemm_index = gemm_index_key(meta.tp_size, meta.topk, num_experts)
 
     def __init__(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan, *,
                  hidden: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
@@ -628,12 +659,13 @@ class _Call:
                     BM=self.tile.bm, BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK,
                     EP2=ep2, BT=bt, num_warps=warps)
             # The finalize index: built by the GEMM2 kernel's CTAs after their tiles (no
-            # launch of its own); `launch_index` launches `_index_kernel` alone where the
-            # GEMM2 has not run.
+            # launch of its own) up to FOLD_MAX_EP2 experts; `launch_index` launches
+            # `_index_kernel` alone above that, and where the GEMM2 has not run.
             self._index_args = ((nb,), rmap, block_counts, self.finalize_base, self.index,
                                 meta.num_tokens, num_experts)
-            self._fold = (rmap, block_counts, self.finalize_base, self.index, nb,
-                          meta.num_tokens, num_experts)
+            if ep2 <= FOLD_MAX_EP2:  # else `launch_index` runs `_index_kernel` alone
+                self._fold = (rmap, block_counts, self.finalize_base, self.index, nb,
+                              meta.num_tokens, num_experts)
         # Claim counters of the dynamic schedule (zeroed at each launch); the static one
         # reads none.
         self.counters = (None if self.tile.static
@@ -715,9 +747,8 @@ class _Call:
         if self._fold is not None:
             self._indexed = True  # built by the GEMM2's CTAs
         ws = self.ws
-        im = self._index_meta
         key = (self.MODE, self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile,
-               im["TP"], im["K"], im["EP2"])
+               self._gemm_index)
         if self.gpu and key not in ws.compiled:
             # First call of this specialisation: line the ranks up after their JIT
             # compilation, so that no rank's finalize waits out another's compile (a
@@ -751,7 +782,9 @@ class _Call:
                 recv_ptrs: Optional[torch.Tensor] = None, index: bool = False) -> None:
         """`_gemm_scatter_kernel` over `tiles`; with `index`, its CTAs also build the
         finalize index (`_fold`); without, the index arguments are placeholders of the
-        same dtypes (0 token blocks), so both share one compiled kernel."""
+        same dtypes (0 token blocks), so both take one compiled kernel wherever the pointers'
+        16-byte alignment agrees (the bases' alignment follows the group size: with one
+        rank, `gemm_only` compiles a variant of its own)."""
         ws, h, w2, t = self.ws, self.h, self.w2, self.tile
         if self.gpu:
             _ensure_allocator()
@@ -762,6 +795,7 @@ class _Call:
         else:
             rmap, counts, base, out = self.meta.routing_map.view(torch.uint8), tiles, tiles, tiles
             blocks = tokens = experts = 0
+        tp, kk, ep2 = self._gemm_index
         im = self._index_meta
         handle = _gemm_scatter(
             (grid,), h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
@@ -770,11 +804,12 @@ class _Call:
             ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
             w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks, tokens, experts,
             BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
-            USE_TIMER=self.gpu, TP=im["TP"], K=im["K"], EP2=im["EP2"], IBT=im["BT"],
-            CB=im["CB"], num_warps=t.num_warps, num_stages=t.num_stages,
+            USE_TIMER=self.gpu, TP=tp, K=kk, EP2=ep2, IBT=im["BT"], CB=im["CB"],
+            num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.gpu:
-            _record_resources((self.dtype, h.shape[1], self.hidden, t), handle)
+            _record_resources((self.dtype, h.shape[1], self.hidden, t, self._gemm_index),
+                              handle)
 
     def launch_index(self) -> None:
         """Launch the finalize index alone (`_index_kernel`, into `index`) on the current

@@ -125,6 +125,15 @@ def _run_case(case: Case, rank: int) -> dict:
     res["grad_impl"] = grouped.experts.last_impl
     res["grad_x"] = describe_mismatch(grads["grouped"][0], grads["stock"][0], rel_tol=0.0)
     res["grad_w2"] = describe_mismatch(grads["grouped"][1], grads["stock"][1], rel_tol=0.0)
+
+    # The FC1 check's remembered part is the grad-mode-free one: a first forward that records
+    # autograd (as a fresh module's may, e.g. in training) must not pin the loop for later
+    # inference forwards.
+    grouped.experts._fc1_check = None
+    grouped.experts(x.clone().requires_grad_(True), counts, probs)
+    with torch.no_grad():
+        grouped.experts(x, counts, probs)
+    res["after_grad_impl"] = grouped.experts.last_impl
     return res
 
 
@@ -168,6 +177,7 @@ def test_grouped_baseline_matches_sequential_mlp(world):
             assert res["again_mismatch"] is None and res["moved_mismatch"] is None, where
             assert res["moved_impl"] == res["experts_impl"], where
             assert res["grad_impl"].startswith("SequentialMLP loop: autograd"), where
+            assert res["after_grad_impl"] == res["experts_impl"], where
             assert res["grad_x"] is None and res["grad_w2"] is None, where
 
 

@@ -160,12 +160,20 @@ def test_compiled_kernel_resources_feed_the_plan():
     from megatron_overlap.ops import triton_gemm2_gatherrs as op
     from megatron_overlap.resource import KernelResources
 
-    key = (torch.bfloat16, 777, 333, op.DEFAULT_TILE)
+    index = op.gemm_index_key(1, 8, 128)
+    assert index == (1, 8, 128)
+    assert op.gemm_index_key(2, None, 60) == (2, 60, 64)  # no top-k: every expert a slot
+    assert op.gemm_index_key(1, 8, 256) == op._PLACEHOLDER_INDEX  # index alone above 128
+    key = (torch.bfloat16, 777, 333, op.DEFAULT_TILE, index)
     op._RESOURCES.pop(key, None)
-    assert op.compiled_resources(torch.bfloat16, 777, 333) is None
+    assert op.compiled_resources(torch.bfloat16, 777, 333, index=index) is None
     op._record_resources(key, object())  # not a compiled kernel (the interpreter): ignored
-    assert op.compiled_resources(torch.bfloat16, 777, 333) is None
+    assert op.compiled_resources(torch.bfloat16, 777, 333, index=index) is None
     handle = SimpleNamespace(n_regs=168, metadata=SimpleNamespace(shared=147480, num_warps=8))
     op._record_resources(key, handle)
-    assert op.compiled_resources(torch.bfloat16, 777, 333) == KernelResources(168, 147480, 256)
+    want = KernelResources(168, 147480, 256)
+    assert op.compiled_resources(torch.bfloat16, 777, 333, index=index) == want
+    # another index specialisation of the same shape is another compiled kernel
+    assert op.compiled_resources(torch.bfloat16, 777, 333, index=(1, 6, 64)) is None
+    assert op.compiled_resources(torch.bfloat16, 777, 333) == want  # any specialisation
     op._RESOURCES.pop(key)

@@ -49,13 +49,14 @@ def _cases():
 
 
 def _index_mismatch():
-    """The finalize index of a prepared call (`_block_count_block` + `_index_kernel`, 16
+    """The finalize index of a prepared call (`_block_count_block` + `_index_block`, 16
     tokens a block: 75 blocks, so the cross-block prefix takes three CB = 32 loads) against
-    its torch twin `contribution_rows`, compacted per token; None when they agree."""
+    its torch twin `contribution_rows`, compacted per token, built alone (`_index_kernel`)
+    and by the GEMM2 kernel; None when they agree."""
     import torch
 
     from megatron_overlap.ops.triton_gemm2_gatherrs import (
-        INTERPRETER_TILE, _Call, contribution_rows)
+        INTERPRETER_TILE, _Call)
     from megatron_overlap.resource import Plan
     from megatron_overlap.symm import local_workspaces
     from tests.support.op_problem import OpCase, rank_operands
@@ -66,7 +67,32 @@ def _index_mismatch():
     h, w2, meta = rank_operands(case, 1)
     call = _Call(meta, ws[1], Plan(num_comm_ctas=1, num_ctas=1, source="test"), hidden=16,
                  dtype=h.dtype, device=h.device, timeout_s=1.0, tile=INTERPRETER_TILE)
-    call.launch_index()  # (finalize launches it, after the GEMM2)
+    call.launch_index()  # alone (`_index_kernel`): this call's GEMM2 never runs
+    problem = _compare_index(call, meta)
+    if problem is not None:
+        return f"_index_kernel: {problem}"
+    # The same index built by the GEMM2 kernel's CTAs (`send`; one rank, so the call runs
+    # alone; three programs, so each builds several token blocks).
+    case = OpCase(1, 1, num_experts=24, topk=3, tokens_per_rank=[1200], routing="skewed",
+                  hidden=16, ffn=16, seed=6, dtype=torch.float32)
+    ws = local_workspaces(1, hidden=16, dtype=case.dtype, device="cpu", capacity_rows=8192)
+    h, w2, meta = rank_operands(case, 0)
+    call = _Call(meta, ws[0], Plan(num_comm_ctas=1, num_ctas=3, source="test"), hidden=16,
+                 dtype=h.dtype, device=h.device, timeout_s=1.0, tile=INTERPRETER_TILE)
+    call.index.fill_(-7)  # stale scratch: every entry must be written
+    call.send(h, w2)
+    problem = _compare_index(call, meta)
+    call.finish()
+    return None if problem is None else f"GEMM2's index: {problem}"
+
+
+def _compare_index(call, meta):
+    """None when call.index equals its torch twin (`contribution_rows`, compacted per
+    token), else what differs."""
+    import torch
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import contribution_rows
+
     rows = contribution_rows(meta, call.layout)  # [T, E, TP], -1: not routed
     want = torch.full_like(call.index, -1)
     for t in range(rows.shape[0]):
@@ -439,3 +465,31 @@ def test_staging_slot_reuse_rules(monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
         tg._StagingSlot.acquire(ws, tables, 100)
     assert [s.busy for s in ws.staging_slots] == [False]
+
+
+def test_staging_slot_scratch_parts():
+    """`_StagingSlot.scratch_parts`: the index, block counts and tile list at 16-byte-aligned
+    offsets of the scratch, remembered while the sizes stay, made anew for other sizes and
+    after the scratch is reallocated (a view of the old scratch would be read by the
+    kernels otherwise)."""
+
+    from megatron_overlap.ops import triton_gemm2_gatherrs as tg
+
+    slot = tg._StagingSlot()
+    slot.fit("cpu", (2, 4, 6), 100)
+    index, counts, tiles = slot.scratch_parts(8, 5, (2, 3))  # index 6 used, 8 reserved
+    base, size = slot.scratch.data_ptr(), slot.scratch.element_size()
+    assert index.shape == (2, 3) and index.data_ptr() == base
+    assert counts.numel() == 5 and counts.data_ptr() == base + 8 * size
+    assert tiles.data_ptr() == base + 16 * size  # 8 + _align4(5)
+    again = slot.scratch_parts(8, 5, (2, 3))
+    assert all(a is b for a, b in zip(again, (index, counts, tiles)))  # remembered
+    other = slot.scratch_parts(8, 9, (2, 3))
+    assert other[1].numel() == 9 and other[2].data_ptr() == base + 20 * size
+    slot.fit("cpu", (2, 4, 6), 10_000)  # a bigger scratch: a new tensor
+    assert slot.scratch.data_ptr() != base or slot.scratch.numel() >= 10_000
+    fresh = slot.scratch_parts(8, 9, (2, 3))
+    assert fresh[0].data_ptr() == slot.scratch.data_ptr()
+    assert fresh[0].untyped_storage().data_ptr() == slot.scratch.untyped_storage().data_ptr()
+    assert not any(a is b for a, b in zip(fresh, other))
+
