@@ -253,7 +253,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
             raise ValueError(f"--layouts tp{tp}ep{ep}: world size {world_size} is not a "
                              f"multiple of tp * ep = {tp * ep}")
     return RunConfig(
-        models=tuple(args.model or defaults["models"]),
+        models=tuple(dict.fromkeys(args.model or defaults["models"])),  # each once
         seq_lengths=tuple(args.seq_lengths or defaults["seq_lengths"]),
         layouts=tuple(dict.fromkeys(layouts)),
         baselines=tuple(v for v in VARIANTS if v == "off" or v in args.baselines),
@@ -277,8 +277,9 @@ def check_shape(shape: Any, tp: int, ep: int, seq_lengths: tuple[int, ...]) -> N
     """Check that a model's MoE layer splits over a layout.
 
     Raises:
-        ValueError: experts not divisible by EP, FFN widths by TP, or a sequence length by
-            TP (sequence parallel).
+        ValueError: experts not divisible by EP, FFN widths by TP, a sequence length not by
+            TP (sequence parallel) or longer than the model's `max_position_embeddings` (as
+            `prefill.py`: a prefill the model cannot take).
     """
     for field, value, size, option in (
         ("num_moe_experts", shape.num_moe_experts, ep, "ep"),
@@ -292,6 +293,9 @@ def check_shape(shape: Any, tp: int, ep: int, seq_lengths: tuple[int, ...]) -> N
     for seq in seq_lengths:
         if seq % tp:
             raise ValueError(f"--seq-lengths {seq}: not divisible by tp {tp} (sequence parallel)")
+        if seq > shape.max_position_embeddings:
+            raise ValueError(f"--seq-lengths {seq}: longer than {shape.name}."
+                             f"max_position_embeddings={shape.max_position_embeddings}")
 
 
 # --------------------------------------------------------------------------------------
@@ -608,7 +612,7 @@ def cprofile_workload(layers: dict, x: torch.Tensor, device: torch.device, title
                 prof.disable()
             sync(device)
             stats = pstats.Stats(prof).stats  # {(file, line, fn): (cc, nc, tt, ct, callers)}
-            rows = [(tt, ct, nc, f"{os.path.basename(f)}:{line}({fn})",
+            rows = [(tt, ct, nc, f"{os.path.join(*f.split(os.sep)[-2:])}:{line}({fn})",
                      "megatron_overlap" in f or f"{os.sep}triton{os.sep}" in f)
                     for (f, line, fn), (cc, nc, tt, ct, _) in stats.items()]
             for order, col, ours in (("own", 0, False), ("cumulative", 1, False),

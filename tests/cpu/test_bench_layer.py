@@ -155,6 +155,16 @@ def test_bad_layout_exits_2(tmp_path):
     assert rows == []
 
 
+def test_sequence_longer_than_the_model_takes_exits_2(tmp_path):
+    """A sequence length past the model's max_position_embeddings (tiny: 512), even one
+    that does not fit in an int64, is refused by name before anything runs."""
+    for seq in ("1024", "99999999999999999999"):
+        proc, rows = _launch(tmp_path, 1, "--seq-lengths", seq)
+        assert proc.returncode == 2 and rows == [], _explain(proc)
+        assert f"--seq-lengths {seq}: longer than tiny.max_position_embeddings=512" in \
+            proc.stderr, _explain(proc)
+
+
 def test_prereduce_needs_the_triton_backend():
     mod = _module()
     parser = mod.build_parser()
