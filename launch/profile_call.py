@@ -5,7 +5,10 @@
 
 Per stage of `_Call` (preparation: tables, upload, tile list; kernel launch; finalize
 launch, with the finalize index's prefix sum; error-record copy), the host time to enqueue
-it, median of --iters calls with the GPU idle at the start of each; then the torch.profiler
+it, median of --iters calls with the GPU idle at the start of each; the same calls' host us
+per 'mo.*' span; the host us of the plan and of primitives the launch path uses (stream
+queries, events, small allocations, a 24-argument launch through Triton's JIT, FastLauncher
+and the compiled kernel; median of 200 back-to-back, i.e. warm); then the torch.profiler
 table of the top CPU ops of one call. Rank 0 prints. A development tool; the numbers go
 into docs/perf_notes.md.
 """

@@ -380,9 +380,9 @@ def _prepare_kernel(seg_ptr, tiles_ptr, num_segments, num_remote, num_local, gri
 def _index_block(b, rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,
                  TP: tl.constexpr, K: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr,
                  CB: tl.constexpr):
-    """Token block b of the finalize index: index[t, j * TP + tp] = base[tp, e_j] + cum[t, e_j] for token t's j-th expert e_j
-    (ascending), -1 past its last one; cum[t, e] = tokens <= t routed to e (cum - 1 is t's
-    rank among expert e's tokens).
+    """Token block b of the finalize index: index[t, j * TP + tp] = base[tp, e_j] +
+    cum[t, e_j] for token t's j-th expert e_j (ascending), -1 past its last one; cum[t, e] =
+    tokens <= t routed to e (cum - 1 is t's rank among expert e's tokens).
 
     rmap: uint8 [T, E] routing map; counts: int32 [ceil(T / BT), E] per token block
     (`_block_count_block`, same BT); base: int32 [TP, E]; index: int32 [T, K * TP]. Block b

@@ -491,9 +491,9 @@ class _StagingSlot:
         """(index [index_shape], block counts [n_counts], the rest): views of the scratch in
         that order, the block counts at n_index (index_shape's size rounded up to a multiple
         of 4) and the rest at n_index + `_align4(n_counts)`, so every part starts 16-byte
-        aligned. Remembered
-        while the scratch and these sizes stay (a prefill's calls share them; the part
-        whose size follows the routing, the tile list, comes last and open-ended)."""
+        aligned. Remembered while the scratch and these sizes stay (a prefill's calls share
+        them; the part whose size follows the routing, the tile list, comes last and
+        open-ended)."""
         key = (n_index, n_counts, index_shape)
         if self._parts is None or self._parts[0] != key:
             rest = n_index + _align4(n_counts)
@@ -619,12 +619,11 @@ class _Call:
         im = self._index_meta
         kmax, bt, ep2, warps = im["K"], im["BT"], im["EP2"], im["num_warps"]
         nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
-        # Device scratch: the tile list, the per-block token counts, the index, each part
-        # starting 16-byte aligned (`_align4`).
+        # Device scratch: the index, the per-block token counts, the tile list, each part
+        # starting 16-byte aligned (`_align4`, `_StagingSlot.scratch_parts`).
         n_tiles = 0 if tile_list == "host" else num_tiles * k.TILE_FIELDS
         n_counts = nb * num_experts
         index_shape = (meta.num_tokens, kmax * meta.tp_size)
-        # index, block counts, tile list (`_StagingSlot.scratch_parts`)
         sizes = (_align4(index_shape[0] * index_shape[1]), _align4(n_counts), n_tiles)
         r2, n_base = 2 * meta.group_size, lay.finalize_base.size
         tables = (r2, n_base, table.size)
