@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "the resource manager picks direct or pre-reduced per call), on "
                              "(pre-reduced; Triton backend; also the bare flag) or off "
                              "(direct)")
+    parser.add_argument("--fc1-impl", choices=("auto", "grouped", "loop"), default="auto",
+                        help="the flag-on experts' FC1 (GatherRSSequentialMLP.fc1_impl): auto "
+                             "(default: one grouped GEMM on CUDA where supported), grouped, or "
+                             "loop (Megatron's per-expert MLP loop, as 'off' runs it)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="params and compute dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,
@@ -218,6 +222,7 @@ class RunConfig:
     prereduce: Union[bool, str] = "auto"
     host_breakdown: bool = False
     cprofile: bool = False
+    fc1_impl: str = "auto"
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -270,6 +275,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         trace_dir=args.trace_dir,
         host_breakdown=args.host_breakdown,
         cprofile=args.cprofile,
+        fc1_impl=args.fc1_impl,
     )
 
 
@@ -406,6 +412,7 @@ def build_layers(shape: Any, run: RunConfig, tp: int, ep: int,
             layer = spec(config=build_config(shape, run, tp, ep, flag=True, initialize=False),
                          layer_number=1)
             layer.load_state_dict(state, strict=True)
+            layer.experts.fc1_impl = run.fc1_impl
         elif variant == "off-grouped":
             layer = baselines.moe_spec(variant, experts)(config=cfg_plain, layer_number=1)
             layer.load_state_dict(state, strict=True)
@@ -839,6 +846,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "shared_expert_size": shape.moe_shared_expert_intermediate_size,
                 "backend_requested": run.backend, "backend": backend,
                 "prereduce": run.prereduce,
+                "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,
                 **env,

@@ -390,6 +390,37 @@ def target_lines(groups: dict, benchmark: str) -> list[str]:
     return lines
 
 
+def slower_table(groups: dict, benchmark: str) -> str | None:
+    """Every (workload, baseline) pair where flag on is slower (prefill: sequence length
+    >= 4096, as the target), with both variants' times and, where the rows have it
+    (`host_ms_p50`, layer rows from v4.5 on), both host times per forward and the two
+    differences: when flag on's extra host time is about its extra time and both host times
+    are close to their forward times, the host paces the pair and the loss is host work.
+    None when no pair is slower."""
+    min_seq = TARGETS[benchmark]["min_seq"]
+    lines = []
+    for (model, layout, _, seq, _), g in groups.items():
+        if seq < min_seq:
+            continue
+        for base in BASELINE_ORDER:
+            s = speedup(g, base)
+            if s is None or s >= 1.0:
+                continue
+            on, off = g["on"], g[base]
+            h_on, h_off = on.get("host_ms_p50"), off.get("host_ms_p50")
+            both = h_on is not None and h_off is not None
+            lines.append([model, layout, str(seq), f"`{base}`", f"{s:.3f}",
+                          _fmt(on["ms_p50"], ".3f"), _fmt(off["ms_p50"], ".3f"),
+                          _fmt(h_on, ".3f"), _fmt(h_off, ".3f"),
+                          _fmt(on["ms_p50"] - off["ms_p50"], "+.3f"),
+                          _fmt(h_on - h_off if both else None, "+.3f")])
+    if not lines:
+        return None
+    return _table(["model", "layout", "seq", "baseline", "t_base / t_on", "ms on",
+                   "ms base", "host ms on", "host ms base", "ms on - base",
+                   "host ms on - base"], lines)
+
+
 def labels_section(rows: list[dict]) -> str:
     """Every distinct (benchmark, variant, label, experts_impl), and skipped baselines."""
     seen, lines = set(), []
@@ -472,6 +503,13 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
         parts.append(geomean_table(groups, benchmark))
         if plots.get(benchmark):
             parts += ["", f"![{benchmark} speedup vs sequence length]({plots[benchmark]})"]
+        slower = slower_table(groups, benchmark)
+        if slower:
+            parts += ["", "Where flag on is slower than a baseline" + (
+                " (sequence length >= 4096)" if TARGETS[benchmark]["min_seq"] else "")
+                + " (host ms: the host time to run the forward's Python and enqueue its "
+                "work, its waits in host syncs included, p50, slowest rank; `-`: not in "
+                "the rows):", "", slower]
         parts += ["", "Every workload:", "", workload_table(groups, benchmark)]
         gone = missing_workloads(groups)
         if gone:

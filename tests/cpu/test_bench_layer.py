@@ -155,6 +155,20 @@ def test_bad_layout_exits_2(tmp_path):
     assert rows == []
 
 
+def test_fc1_impl_reaches_the_flag_on_experts(tmp_path):
+    """--fc1-impl sets the flag-on experts' FC1 (CPU's "auto" is the loop: grouped asked
+    for explicitly here), recorded in the rows; the variants still agree with off."""
+    proc, rows = _launch(tmp_path, 1, "--baselines", "off", "--fc1-impl", "grouped")
+    assert proc.returncode == 0, _explain(proc)
+    on = next(r for r in rows if r["variant"] == "on")
+    assert on["fc1_impl"] == "grouped" and on["agree"], on
+    assert on["experts_impl"].startswith("grouped FC1: "), on["experts_impl"]
+    proc, rows = _launch(tmp_path, 1, "--baselines", "off", "--fc1-impl", "loop")
+    assert proc.returncode == 0, _explain(proc)
+    on = [r for r in rows if r["variant"] == "on"][-1]
+    assert on["experts_impl"].startswith("loop: fc1_impl='loop'"), on["experts_impl"]
+
+
 def test_sequence_longer_than_the_model_takes_exits_2(tmp_path):
     """A sequence length past the model's max_position_embeddings (tiny: 512), even one
     that does not fit in an int64, is refused by name before anything runs."""

@@ -124,6 +124,7 @@ def test_report_file_sections_and_plots(tmp_path):
                     "## Agreement with flag off", "## Hardware and software", "## Commands"):
         assert heading in text, heading
     assert "| fine-grained | all | off-grouped | 2 | 1.342 | 1.200 | 0 |" in text
+    assert "Where flag on is slower than a baseline (host ms:" in text  # mixtral 0.8x
     assert "`off-te` was not run: synthetic: no TE." in text
     # what the flag-on variant ran, per workload (rows from before v4.4 have no mode)
     assert "| yes | triton, prereduced (auto) |" in text
@@ -135,6 +136,23 @@ def test_report_file_sections_and_plots(tmp_path):
     assert "![layer speedup vs sequence length](report_layer.png)" in text
     for png in ("report_layer.png", "report_prefill.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_slower_pairs_are_listed_with_host_times():
+    rows = _layer_rows()
+    for row in rows:  # host times on the coarse workload only (as rows from before v4.5)
+        if row["model"] == "mixtral-8x7b":
+            row["host_ms_p50"] = {"on": 9.5, "off": 10.5, "off-grouped": 7.0}[row["variant"]]
+    text = mr.slower_table(mr.workloads(rows, "layer"), "layer")
+    # mixtral vs off-grouped: 8 / 10 = 0.8x; 2 ms slower, 2.5 ms more host time
+    assert ("| mixtral-8x7b | tp2/ep1/dp1/sp1 | 8192 | `off-grouped` | 0.800 | 10.000 | "
+            "8.000 | 9.500 | 7.000 | +2.000 | +2.500 |") in text
+    assert text.count("\n") == 2  # header, rule, one pair: the faster pairs are not listed
+    for row in rows:
+        row.pop("host_ms_p50", None)
+    assert "| +2.000 | - |" in mr.slower_table(mr.workloads(rows, "layer"), "layer")
+    # prefill: the 2048 pair (0.5x) is below the target's 4096 and not listed
+    assert mr.slower_table(mr.workloads(_prefill_rows(), "prefill"), "prefill") is None
 
 
 def test_disagreement_is_listed(tmp_path):
