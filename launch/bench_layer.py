@@ -545,49 +545,75 @@ def host_breakdown(layers: dict, x: torch.Tensor, device: torch.device, iters: i
     does), with the `HOST_STAGES` methods of the layer instance wrapped in host timers
     (instance attributes, removed afterwards) and `megatron_overlap.profiling.host_times`
     on (the flag-on 'mo.*' spans). Stage names: "layer.<method>", "token_dispatcher.<m>",
-    "experts.<m>", "mo.<span>"; each value is the stage's mean host time per forward (a
-    stage entered twice in a forward counts both); "forward" is the median host time of
-    the whole call. No device sync inside a forward, so a stage's time is its enqueue time
-    plus any host sync it makes. Max over ranks."""
+    "experts.<m>", "mo.<span>"; each value is the median over the forwards of the stage's
+    host time in a forward (a stage entered twice in a forward counts both; 0 in a forward
+    that did not enter it); "forward" is the median host time of the whole call.
+    "python.gc" is the mean time per forward Python's cyclic garbage collector ran inside
+    the forwards (its passes are rare and long, so a median would hide them; a pass lands in
+    whichever stage happens to allocate, which the medians leave out). No device sync inside
+    a forward, so a stage's time is its enqueue time plus any host sync it makes. Max over
+    ranks."""
+    import gc
+
     from megatron_overlap.profiling import host_times, span
 
+    gc_time = [0.0]
+    gc_start = [None]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        elif gc_start[0] is not None:
+            gc_time[0] += time.perf_counter() - gc_start[0]
+            gc_start[0] = None
+
     out = {}
-    with torch.inference_mode():
-        for name, layer in layers.items():
-            patched = []
-            for attr, methods in HOST_STAGES.items():
-                owner = getattr(layer, attr) if attr else layer
-                if owner is None:
-                    continue
-                for method in methods:
-                    fn = getattr(owner, method, None)
-                    if fn is None:
+    gc.callbacks.append(on_gc)
+    try:
+        with torch.inference_mode():
+            for name, layer in layers.items():
+                patched = []
+                for attr, methods in HOST_STAGES.items():
+                    owner = getattr(layer, attr) if attr else layer
+                    if owner is None:
                         continue
+                    for method in methods:
+                        fn = getattr(owner, method, None)
+                        if fn is None:
+                            continue
 
-                    def timed(*args, _fn=fn, _name=f"{attr or 'layer'}.{method}", **kwargs):
-                        with span(_name):
-                            return _fn(*args, **kwargs)
+                        def timed(*args, _fn=fn, _name=f"{attr or 'layer'}.{method}",
+                                  **kwargs):
+                            with span(_name):
+                                return _fn(*args, **kwargs)
 
-                    patched.append((owner, method, owner.__dict__.get(method)))
-                    setattr(owner, method, timed)
-            forward = []
-            try:
-                with host_times() as times:
+                        patched.append((owner, method, owner.__dict__.get(method)))
+                        setattr(owner, method, timed)
+                forward, per_forward, gc_total = [], [], 0.0
+                try:
                     for _ in range(iters):
                         sync(device)
-                        t0 = time.perf_counter()
-                        layer(x)
-                        forward.append(time.perf_counter() - t0)
+                        gc_time[0] = 0.0
+                        with host_times() as times:
+                            t0 = time.perf_counter()
+                            layer(x)
+                            forward.append(time.perf_counter() - t0)
+                        gc_total += gc_time[0]
+                        per_forward.append({k: sum(v) for k, v in times.items()})
                     sync(device)
-            finally:
-                for owner, method, own in reversed(patched):
-                    if own is None:
-                        delattr(owner, method)
-                    else:
-                        setattr(owner, method, own)
-            stages = {"forward": percentile(forward, 50) * 1e6}
-            stages.update({k: sum(v) / iters * 1e6 for k, v in sorted(times.items())})
-            out[name] = stages
+                finally:
+                    for owner, method, own in reversed(patched):
+                        if own is None:
+                            delattr(owner, method)
+                        else:
+                            setattr(owner, method, own)
+                stages = {"forward": percentile(forward, 50) * 1e6,
+                          "python.gc": gc_total / iters * 1e6}
+                for key in sorted({k for f in per_forward for k in f}):
+                    stages[key] = percentile([f.get(key, 0.0) for f in per_forward], 50) * 1e6
+                out[name] = stages
+    finally:
+        gc.callbacks.remove(on_gc)
     # max over ranks, stage by stage (every rank has the same stage names per variant)
     for name in out:
         keys = sorted(out[name])

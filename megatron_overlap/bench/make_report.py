@@ -42,7 +42,9 @@ Common fields:
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer, from v4.5: p50 of the host time to enqueue a forward, slowest rank;
-  host_breakdown_us: {stage: host us per forward} with `--host-breakdown`, else None),
+  host_breakdown_us: {stage: host us per forward} with `--host-breakdown`, else None;
+  from v4.7 each stage's median over the forwards, plus "python.gc", the mean time per
+  forward of Python's garbage collector; before, each stage's mean),
   speedup_over_on (t_variant / t_on, p50), memory in bytes per rank (max over ranks; None on
   CPU): param_bytes, symm_workspace_bytes, fwd_extra_bytes, own_peak_bytes (their sum),
   peak_abs_bytes, persistent_bytes (information only), peak_mem_gib (layer: own peak in GiB;

@@ -109,6 +109,7 @@ def test_bench_layer_world1(tmp_path):
     for variant, stage in stages.items():  # the layer's own stages in every variant
         assert stage["forward"] >= stage["layer.routed_experts_compute"] > 0, (variant, stage)
         assert stage["layer.route"] > 0 and stage["token_dispatcher.dispatch_preprocess"] > 0
+        assert 0 <= stage["python.gc"] < stage["forward"] * 10, (variant, stage)
     assert {"mo.plan", "mo.gemm2_gatherrs", "experts.forward_fc1",
             "token_dispatcher.prepare_combine"} <= set(stages["on"])
     assert not any(k.startswith("mo.") for k in stages["off"])
