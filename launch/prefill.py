@@ -248,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
              "backend; also the bare flag) or off (direct)",
     )
     parser.add_argument(
+        "--fc1-impl",
+        choices=("auto", "grouped", "loop"),
+        default="auto",
+        help="the flag-on experts' FC1 (GatherRSSequentialMLP.fc1_impl): auto (default: one "
+             "grouped GEMM on CUDA where supported), grouped, or loop (Megatron's per-expert "
+             "MLP loop, as 'off' runs it)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=("auto", "bf16", "fp32"),
         default="auto",
@@ -328,6 +336,7 @@ class RunConfig:
     seed: int
     world_size: int
     prereduce: Union[bool, str] = "auto"
+    fc1_impl: str = "auto"
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -374,6 +383,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         sequence_parallel=sp,
         backend=args.backend,
         prereduce=args.prereduce,
+        fc1_impl=args.fc1_impl,
         dtype=dtype,
         attention=args.attention,
         reference=args.reference,
@@ -761,6 +771,8 @@ def build_models(shape: Any, run: RunConfig, device: torch.device) -> tuple[dict
     ]
     if not fused:
         raise RuntimeError("flag-on model has no MoE layer on the fused path")
+    for layer in fused:
+        layer.experts.fc1_impl = run.fc1_impl
     return models, len(fused)
 
 
@@ -1406,6 +1418,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "attention": run.attention,
         "backend_requested": run.backend,
         "prereduce": run.prereduce,
+        "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
         "backend": backend,
         "reference": reference_used,
         "fused_moe_layers": fused_layers,

@@ -38,7 +38,8 @@ Common fields:
   otherwise), fused_calls (fused-op launches in the timed forwards; 0 for baselines),
   combine_mode (layer) / combine_modes (prefill; a list over the MoE layers): what the
   flag-on variant's last combine ran, "direct" | "prereduced" | "reference" (absent in
-  rows from before v4.4), prereduce (the run's setting: true | false | "auto"),
+  rows from before v4.4), prereduce (the run's setting: true | false | "auto"), fc1_impl
+  (the flag-on experts' FC1 setting, "auto" | "grouped" | "loop"; absent before v4.7),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer, from v4.5: p50 of the host time to enqueue a forward, slowest rank;

@@ -109,6 +109,16 @@ def test_prefill_launch(tmp_path, nproc, layout_args, layout, dp):
         _check_row(row, layout=layout, dp=dp, world_size=nproc)
 
 
+def test_fc1_impl_reaches_every_fused_layer(tmp_path):
+    """--fc1-impl sets every flag-on MoE layer's experts' FC1 (the CPU's "auto" is the loop:
+    grouped asked for explicitly), recorded in the rows; flag on still agrees with off."""
+    proc, rows = _launch(tmp_path, 1, "--fc1-impl", "grouped")
+    assert proc.returncode == 0, _explain(proc)
+    on = next(r for r in rows if r["variant"] == "on")
+    assert on["fc1_impl"] == "grouped" and on["agree"] is True, on
+    assert on["experts_impl"].startswith("grouped FC1: "), on["experts_impl"]
+
+
 def test_bad_layout_exits_2(tmp_path):
     proc, rows = _launch(tmp_path, 1, "--tp", "1", "--ep", "3")
     assert proc.returncode == 2, _explain(proc)
