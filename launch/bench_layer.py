@@ -82,7 +82,7 @@ from prefill import (
 )
 
 from megatron_overlap.bench.cli import check_launch_inputs, parse_layout
-from megatron_overlap.config import PREREDUCE_ARGUMENT
+from megatron_overlap.config import FC1_IMPL_ARGUMENT, PREREDUCE_ARGUMENT
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
@@ -161,10 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the resource manager picks direct or pre-reduced per call), on "
                              "(pre-reduced; Triton backend; also the bare flag) or off "
                              "(direct)")
-    parser.add_argument("--fc1-impl", choices=("auto", "grouped", "loop"), default="auto",
-                        help="the flag-on experts' FC1 (GatherRSSequentialMLP.fc1_impl): auto "
-                             "(default: one grouped GEMM on CUDA where supported), grouped, or "
-                             "loop (Megatron's per-expert MLP loop, as 'off' runs it)")
+    parser.add_argument("--fc1-impl", **FC1_IMPL_ARGUMENT)
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="params and compute dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,

@@ -82,7 +82,7 @@ from megatron_overlap.bench.measure import (  # after the sys.path line
     reduce_max,
     symm_workspace_bytes,
 )
-from megatron_overlap.config import PREREDUCE_ARGUMENT  # noqa: E402
+from megatron_overlap.config import FC1_IMPL_ARGUMENT, PREREDUCE_ARGUMENT  # noqa: E402
 
 SCHEMA = "megatron_overlap.prefill/1"
 """`schema` field of every JSON row; bump when a field changes meaning."""
@@ -247,14 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
              "manager picks direct or pre-reduced per call), on (pre-reduced; Triton "
              "backend; also the bare flag) or off (direct)",
     )
-    parser.add_argument(
-        "--fc1-impl",
-        choices=("auto", "grouped", "loop"),
-        default="auto",
-        help="the flag-on experts' FC1 (GatherRSSequentialMLP.fc1_impl): auto (default: one "
-             "grouped GEMM on CUDA where supported), grouped, or loop (Megatron's per-expert "
-             "MLP loop, as 'off' runs it)",
-    )
+    parser.add_argument("--fc1-impl", **FC1_IMPL_ARGUMENT)
     parser.add_argument(
         "--dtype",
         choices=("auto", "bf16", "fp32"),

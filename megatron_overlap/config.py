@@ -167,3 +167,15 @@ PREREDUCE_ARGUMENT = dict(type=prereduce_arg, default="auto", nargs="?", const=T
                           metavar="{auto,on,off}")
 """argparse keywords of the combine-mode option (`--moe-gatherrs-prereduce` / the launch
 scripts' `--prereduce`): auto (default), on (also the bare flag) or off."""
+
+FC1_IMPLS = ("auto", "grouped", "loop")
+"""`GatherRSSequentialMLP.fc1_impl` values: "auto" = grouped on CUDA where supported, else
+Megatron's per-expert loop; "grouped" = grouped wherever supported (any device; for tests
+on CPU); "loop" = always Megatron's loop."""
+
+FC1_IMPL_ARGUMENT = dict(
+    choices=FC1_IMPLS, default="auto",
+    help="the flag-on experts' FC1 (GatherRSSequentialMLP.fc1_impl): auto (default: one "
+         "grouped GEMM on CUDA where supported), grouped, or loop (Megatron's per-expert MLP "
+         "loop, as 'off' runs it)")
+"""argparse keywords of the launch scripts' `--fc1-impl`."""

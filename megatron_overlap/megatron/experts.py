@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_overlap.config import FC1_IMPLS
 from megatron_overlap.megatron.config import gatherrs_enabled
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
@@ -36,10 +37,6 @@ from megatron_overlap.megatron.grouped_experts import (
     stack_parameters_,
 )
 
-FC1_IMPLS = ("auto", "grouped", "loop")
-"""`GatherRSSequentialMLP.fc1_impl` values: "auto" = grouped on CUDA where supported, else
-Megatron's per-expert loop; "grouped" = grouped wherever supported (any device; for tests
-on CPU); "loop" = always Megatron's loop."""
 
 
 class GatherRSSequentialMLP(SequentialMLP):

@@ -341,10 +341,14 @@ def gemm_index_key(tp_size: int, topk: Optional[int], num_experts: int) -> tuple
     specialisation: TP partials, top-k slots (K = top-k, or E when unknown, at most E),
     experts rounded up to a power of two (>= 16); `_PLACEHOLDER_INDEX` where EP2 exceeds
     `FOLD_MAX_EP2` (the index runs alone there)."""
-    ep2 = max(16, _pow2(num_experts))
-    if ep2 > FOLD_MAX_EP2:
-        return _PLACEHOLDER_INDEX
-    return (tp_size, max(1, min(int(topk or num_experts), num_experts)), ep2)
+    key = _index_constants(tp_size, topk, num_experts)
+    return key if key[2] <= FOLD_MAX_EP2 else _PLACEHOLDER_INDEX
+
+
+def _index_constants(tp_size: int, topk: Optional[int], num_experts: int) -> tuple:
+    """(TP, K, EP2) of the finalize index (`gemm_index_key` without the placeholder)."""
+    return (tp_size, max(1, min(int(topk or num_experts), num_experts)),
+            max(16, _pow2(num_experts)))
 
 
 def compiled_resources(dtype: torch.dtype, ffn: int, hidden: int,
@@ -550,11 +554,11 @@ class _Call:
     `PreReducedCall`); also names the kernels a call launches (the first call of each mode
     and specialisation lines the ranks up after compiling)."""
 
-    _index_args = None
-    """Arguments of the finalize-index launch alone (`launch_index`; None: no index)."""
-    _fold = None
-    """The finalize index's arguments of `_gemm_scatter_kernel` (routing map, block counts,
-    bases, index, token blocks, tokens, experts); None: the GEMM2 builds no index."""
+    _index_parts = None
+    """The finalize index's operands (routing map, block counts, bases, index, token blocks,
+    tokens, experts), for the GEMM2 kernel or `_index_kernel` alone; None: no index."""
+    _fold = False
+    """Whether the GEMM2 kernel builds the finalize index (`FOLD_MAX_EP2`)."""
     _indexed = False
 
     def _init_common(self, meta, ws, plan, hidden, dtype, device, timeout_s, tile) -> None:
@@ -578,11 +582,9 @@ class _Call:
         # those every GEMM2 launch of the call passes (`gemm_index_key`: the same where the
         # GEMM2 builds the index, placeholders where it cannot).
         num_experts = meta.routing_map.shape[1]
-        ep2 = max(16, _pow2(num_experts))
-        self._index_meta = dict(
-            TP=meta.tp_size, K=max(1, min(int(meta.topk or num_experts), num_experts)),
-            EP2=ep2, BT=INDEX_BLOCK_TOKENS if self.gpu else 16, CB=32,
-            num_warps=8 if ep2 >= 256 else 4)
+        tp, kk, ep2 = _index_constants(meta.tp_size, meta.topk, num_experts)
+        self._index_meta = dict(TP=tp, K=kk, EP2=ep2, BT=INDEX_BLOCK_TOKENS if self.gpu else 16,
+                                CB=32, num_warps=8 if ep2 >= 256 else 4)
         self._gemm_index = gemm_index_key(meta.tp_size, meta.topk, num_experts)
 
     def __init__(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, plan: Plan, *,
@@ -660,11 +662,9 @@ class _Call:
             # The finalize index: built by the GEMM2 kernel's CTAs after their tiles (no
             # launch of its own) up to FOLD_MAX_EP2 experts; `launch_index` launches
             # `_index_kernel` alone above that, and where the GEMM2 has not run.
-            self._index_args = ((nb,), rmap, block_counts, self.finalize_base, self.index,
-                                meta.num_tokens, num_experts)
-            if ep2 <= FOLD_MAX_EP2:  # else `launch_index` runs `_index_kernel` alone
-                self._fold = (rmap, block_counts, self.finalize_base, self.index, nb,
-                              meta.num_tokens, num_experts)
+            self._index_parts = (rmap, block_counts, self.finalize_base, self.index, nb,
+                                 meta.num_tokens, num_experts)
+            self._fold = ep2 <= FOLD_MAX_EP2  # else `launch_index` runs `_index_kernel` alone
         # Claim counters of the dynamic schedule (zeroed at each launch); the static one
         # reads none.
         self.counters = (None if self.tile.static
@@ -741,9 +741,9 @@ class _Call:
             t.data_ptr() % 16 == 0 for t in (self.h, self.w2))
         with span("mo.send"):
             self._launch(self._tiles_arg, self.grid, self.num_remote, self.num_local,
-                         index=self._fold is not None)
+                         index=self._fold)
         self.sent = True
-        if self._fold is not None:
+        if self._fold:
             self._indexed = True  # built by the GEMM2's CTAs
         ws = self.ws
         key = (self.MODE, self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile,
@@ -780,7 +780,7 @@ class _Call:
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
                 recv_ptrs: Optional[torch.Tensor] = None, index: bool = False) -> None:
         """`_gemm_scatter_kernel` over `tiles`; with `index`, its CTAs also build the
-        finalize index (`_fold`); without, the index arguments are placeholders of the
+        finalize index (`_index_parts`); without, the index arguments are placeholders of the
         same dtypes (0 token blocks), so both take one compiled kernel wherever the pointers'
         16-byte alignment agrees (the bases' alignment follows the group size: with one
         rank, `gemm_only` compiles a variant of its own)."""
@@ -790,7 +790,7 @@ class _Call:
         if not t.static:
             self.counters.zero_()
         if index:
-            rmap, counts, base, out, blocks, tokens, experts = self._fold
+            rmap, counts, base, out, blocks, tokens, experts = self._index_parts
         else:
             rmap, counts, base, out = self.meta.routing_map.view(torch.uint8), tiles, tiles, tiles
             blocks = tokens = experts = 0
@@ -816,8 +816,9 @@ class _Call:
         `finalize` calls it first."""
         if self._indexed:
             return
-        if self._index_args is not None and self._index_args[0][0]:
-            _index(*self._index_args, **self._index_meta)
+        if self._index_parts is not None and self._index_parts[4]:
+            rmap, counts, base, out, blocks, tokens, experts = self._index_parts
+            _index((blocks,), rmap, counts, base, out, tokens, experts, **self._index_meta)
         self._indexed = True  # after: a launch that raised is tried again
 
     def finalize(self) -> None:
