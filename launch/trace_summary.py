@@ -9,6 +9,9 @@ Traces come from `launch/bench_layer.py --profile --trace-dir DIR`. For each tra
     Megatron's own ranges) with start offset and duration;
   * the device's idle gaps longer than --gap-us, each with the host operations that were
     running when it began (what the device waited for: a host sync, a slow enqueue);
+  * the CUDA runtime calls by total host time (a host that waits for the device shows here:
+    cudaStreamSynchronize, cudaEventSynchronize, or a cudaMemcpyAsync from pageable memory
+    that the driver ran synchronously), with each one's longest call;
   * the kernels by total time.
 All times in microseconds; offsets from the trace's first event.
 """
@@ -72,6 +75,21 @@ def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
+def runtime_totals(events: list[dict]) -> list[tuple[str, float, int, float]]:
+    """The "cuda_runtime" events per name: (name, total us, count, longest us), by total
+    time, largest first."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            t = totals[e["name"]]
+            dur = float(e["dur"])
+            t[0] += dur
+            t[1] += 1
+            t[2] = max(t[2], dur)
+    return sorted(((name, tot, int(n), longest) for name, (tot, n, longest) in totals.items()),
+                  key=lambda r: -r[1])
+
+
 def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
     events = load(path)
     if not events:
@@ -108,6 +126,10 @@ def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
             names = ", ".join(f"{e['name'][:40]} ({float(e['dur']):.0f})" for e in running[:4])
             lines.append(f"  +{prev_end - t0:8.0f} {a - prev_end:8.0f} | {names}")
         prev_end = max(prev_end, b)
+
+    lines.append("-- CUDA runtime calls by host time: total count max name")
+    lines.extend(f"  {tot:8.0f} {n:4d} {longest:8.0f}  {name[:60]}" for name, tot, n, longest
+                 in runtime_totals(events)[:top])
 
     lines.append("-- kernels by total time: total count name")
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])

@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
     cached_fc1_reason,
+    expert_weights,
     expert_matmul,
     grouped_fc1_activation,
     grouped_mm_name,
@@ -139,7 +140,7 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
             self.last_impl = f"SequentialMLP loop: {reason}"
             return super().forward(x, tokens_per_expert, permuted_probs)
         h, fc1 = grouped_fc1_activation(self, x, tokens_per_expert, permuted_probs)
-        w2, how = self.fc2_stack_cache.get([e.linear_fc2.weight for e in self.local_experts])
+        w2, how = self.fc2_stack_cache.get(expert_weights(self, "linear_fc2"))
         y, impl = expert_matmul(h, w2, tokens_per_expert)
         self.last_impl = f"{fc1}; grouped FC2: {impl}, weights {how}"
         return y, None

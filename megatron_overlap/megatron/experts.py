@@ -32,6 +32,7 @@ from megatron_overlap.megatron.config import gatherrs_enabled
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
     cached_fc1_reason,
+    expert_weights,
     grouped_fc1_activation,
     mlp_parts_replaced,
     stack_parameters_,
@@ -144,6 +145,6 @@ class GatherRSSequentialMLP(SequentialMLP):
         (`last_fc2_weight` says which).
         """
         w2, self.last_fc2_weight = self.fc2_stack_cache.get(
-            [e.linear_fc2.weight for e in self.local_experts]
+            expert_weights(self, "linear_fc2")
         )
         return w2

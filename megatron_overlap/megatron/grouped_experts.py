@@ -40,6 +40,8 @@ from megatron.core.transformer.mlp import MLP
 
 __all__ = [
     "expert_matmul",
+    "expert_parts",
+    "expert_weights",
     "grouped_fc1_activation",
     "grouped_fc1_unsupported_reason",
     "grouped_mm_name",
@@ -130,6 +132,44 @@ def stack_parameters_(params: Sequence[torch.nn.Parameter]) -> bool:
         for i, p in enumerate(params):
             p.data = stacked[i]
     return True
+
+
+def expert_parts(experts: torch.nn.Module, part: str) -> list:
+    """`[getattr(e, part) for e in experts.local_experts]`, read from the modules' own
+    registries (`_modules`) where they hold it.
+
+    Every forward asks for the local experts' FC1 / FC2 modules and weights. Through
+    `nn.Module.__getattr__` each access costs ~0.7 us of host time (measured on the dev
+    CPU, 64 experts as Qwen3-30B-A3B has per rank at EP = 2: 49 us for their `linear_fc1`
+    modules, 87 us for those modules' weights); the registry lookups here take 3 and 6 us. Same objects: `nn.Module`
+    attribute access resolves a registered child module or parameter from exactly these
+    dicts; anything else (a property, a plain attribute) falls back to `getattr`.
+
+    Args:
+        experts: a `SequentialMLP` (its `local_experts` is a `ModuleList`).
+        part: the name of a child module of each local expert, e.g. "linear_fc1".
+    """
+    out = []
+    for e in experts.local_experts._modules.values():
+        child = e._modules.get(part)
+        out.append(child if child is not None else getattr(e, part))
+    return out
+
+
+def expert_weights(experts: torch.nn.Module, part: str) -> list:
+    """`[getattr(e, part).weight for e in experts.local_experts]` at `expert_parts`'s cost
+    (see there): [L] tensors.
+
+    Raises:
+        AttributeError: a local expert has no such module, or it has no `weight` (as the
+            attribute access would).
+    """
+    out = []
+    for child in expert_parts(experts, part):
+        params = getattr(child, "_parameters", None)
+        w = params.get("weight") if isinstance(params, dict) else None
+        out.append(w if w is not None else getattr(child, "weight"))
+    return out
 
 
 def _autograd_recording(tensors: Sequence[torch.Tensor]) -> bool:
@@ -303,7 +343,7 @@ def cached_fc1_reason(experts: torch.nn.Module, x: torch.Tensor | None = None) -
     identity, so no id can be reused meanwhile): that part loops over every expert, once
     per forward on the host's critical path otherwise. The autograd part, which changes
     with the caller's grad mode, is asked every time."""
-    key = tuple(e.linear_fc1 for e in experts.local_experts)
+    key = tuple(expert_parts(experts, "linear_fc1"))
     cached = getattr(experts, "_fc1_check", None)
     if cached is None or cached[0] != key:
         cached = (key, fc1_structural_reason(experts))
@@ -345,7 +385,7 @@ def autograd_reason(experts: torch.nn.Module, x: torch.Tensor | None = None) -> 
     x, else None."""
     if not torch.is_grad_enabled():
         return None
-    params = [m.linear_fc1.weight for m in experts.local_experts]
+    params = expert_weights(experts, "linear_fc1")
     if _autograd_recording(params + ([x] if x is not None else [])):
         return "autograd is recording (training keeps Megatron's per-expert loop)"
     return None
@@ -432,7 +472,7 @@ def grouped_fc1_activation(
         "grouped FC1: <impl>" with impl from `expert_matmul`, plus ", weights view|stack").
     """
     mlps = list(experts.local_experts)
-    fc1_weights = [m.linear_fc1.weight for m in mlps]
+    fc1_weights = expert_weights(experts, "linear_fc1")
     cache = getattr(experts, "fc1_stack_cache", None)
     w1, how = cache.get(fc1_weights) if cache is not None else stacked_weights(fc1_weights)
     counts = _counts(tokens_per_expert, len(mlps), x.shape[0])

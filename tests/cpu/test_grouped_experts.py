@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
     expert_matmul,
+    expert_parts,
+    expert_weights,
     grouped_mm_name,
     stack_parameters_,
     stacked_view,
@@ -121,6 +123,39 @@ def test_stacked_view_cache_hits_and_follows_moves():
     w5, how5 = cache.get(params)  # autograd recording: a differentiable copy, never cached
     assert how5 == "stack" and w5.requires_grad
     cache.clear()
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(4, 6, bias=False)
+        self.linear_fc2 = torch.nn.Linear(3, 4, bias=False)
+
+
+class _PropertyExpert(_Expert):
+    @property
+    def linear_fc3(self):  # not a registered child: the attribute path
+        return self.linear_fc2
+
+
+def test_expert_parts_and_weights_are_the_attribute_path():
+    experts = torch.nn.Module()
+    experts.local_experts = torch.nn.ModuleList([_Expert(), _PropertyExpert(), _Expert()])
+    for part in ("linear_fc1", "linear_fc2"):
+        mods = [getattr(e, part) for e in experts.local_experts]
+        assert all(a is b for a, b in zip(expert_parts(experts, part), mods, strict=True))
+        ws = expert_weights(experts, part)
+        assert len(ws) == 3 and all(a is m.weight for a, m in zip(ws, mods, strict=True))
+    # a swapped module, a re-assigned parameter: seen at once (nothing is remembered)
+    experts.local_experts[2].linear_fc1 = torch.nn.Linear(4, 6, bias=False)
+    assert expert_parts(experts, "linear_fc1")[2] is experts.local_experts[2].linear_fc1
+    experts.local_experts[0].linear_fc2.weight = torch.nn.Parameter(torch.zeros(4, 3))
+    assert expert_weights(experts, "linear_fc2")[0] is experts.local_experts[0].linear_fc2.weight
+    with pytest.raises(AttributeError, match="linear_fc3"):
+        expert_parts(experts, "linear_fc3")  # experts 0 and 2 have none, as getattr says
+    experts.local_experts = torch.nn.ModuleList([_PropertyExpert()])
+    assert expert_parts(experts, "linear_fc3")[0] is experts.local_experts[0].linear_fc2
+    assert expert_weights(experts, "linear_fc3")[0] is experts.local_experts[0].linear_fc2.weight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

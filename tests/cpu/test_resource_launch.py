@@ -205,3 +205,12 @@ def test_trace_summary_skips_non_events_and_names_bad_times(tmp_path):
     trace.write_text(json.dumps({"traceEvents": [good, {"ph": "X", "ts": "a", "dur": 1}]}))
     with pytest.raises(ValueError, match=r"t.json: traceEvents\[1\] has ts='a'"):
         module.load(str(trace))
+    sync = {"ph": "X", "ts": 0, "dur": 40, "name": "cudaStreamSynchronize", "cat": "cuda_runtime"}
+    launch = {"ph": "X", "ts": 5, "dur": 3, "name": "cudaLaunchKernel", "cat": "cuda_runtime"}
+    events = [sync, launch, dict(launch, ts=9, dur=7), dict(sync, dur=10), good]
+    assert module.runtime_totals(events) == [("cudaStreamSynchronize", 50.0, 2, 40.0),
+                                             ("cudaLaunchKernel", 10.0, 2, 7.0)]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    text = module.summarize(str(trace))
+    assert "-- CUDA runtime calls by host time" in text
+    assert "      50    2       40  cudaStreamSynchronize" in text
