@@ -37,7 +37,8 @@ def check_environment() -> None:
     """Check every `MEGATRON_OVERLAP_*` variable of the fused path now, so that a typo fails
     where the user can act on it (the dispatcher's construction, a launcher's argument
     check) instead of at the first GPU launch: `MEGATRON_OVERLAP_TILE_LIST`,
-    `MEGATRON_OVERLAP_FAST_LAUNCH`, `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`.
+    `MEGATRON_OVERLAP_FAST_LAUNCH`, `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`,
+    `MEGATRON_OVERLAP_FC1_CHUNK_MB`.
 
     Raises:
         ValueError: a bad value (the message names the variable and what it accepts).
@@ -51,6 +52,33 @@ def check_environment() -> None:
     fast_launch_enabled()
     load_profile()
     implementation()
+    fc1_chunk_bytes()
+
+
+FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
+"""Environment variable: the grouped FC1's largest output per group of experts, in MiB
+(`fc1_chunk_bytes`)."""
+
+
+def fc1_chunk_bytes() -> int:
+    """Largest FC1 output ([rows, I] in the activation dtype) one grouped GEMM produces; more
+    rows run in several groups of experts (peak memory, see `grouped_fc1_activation`).
+    512 MiB, or $MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes (a number > 0; smaller groups
+    lower the FC1's transient peak at the cost of more launches).
+
+    Raises:
+        ValueError: the variable is set to something other than a finite number > 0.
+    """
+    raw = os.environ.get(FC1_CHUNK_ENV, "")
+    if not raw:
+        return 512 * 2**20
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = float("nan")
+    if not (0 < mib < float("inf")):
+        raise ValueError(f"{FC1_CHUNK_ENV}={raw!r}: expected a number of MiB > 0 (e.g. 128)")
+    return max(1, int(mib * 2**20))
 
 
 def tile_list_source() -> str:

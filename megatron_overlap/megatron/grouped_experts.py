@@ -29,13 +29,14 @@ FFN width on this expert-TP rank, I = 2F for a gated linear unit (else F), L loc
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from megatron_overlap.config import fc1_chunk_bytes
 from megatron.core.transformer.mlp import MLP
 
 __all__ = [
@@ -426,13 +427,6 @@ class StackedViewCache:
         return stack, how
 
 
-def fc1_chunk_bytes() -> int:
-    """Largest FC1 output ([rows, I] in the activation dtype) one grouped GEMM produces; more
-    rows run in several groups of experts (peak memory, see `grouped_fc1_activation`).
-    512 MiB, or MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes."""
-    return int(float(os.environ.get("MEGATRON_OVERLAP_FC1_CHUNK_MB", "512")) * 2**20)
-
-
 def expert_groups(counts: Sequence[int], row_bytes: int, budget: int):
     """Consecutive experts in groups of at most `budget` bytes of output rows (an expert
     with more forms a group alone): [(first expert, end expert, rows)], in order."""
@@ -467,9 +461,19 @@ def grouped_fc1_activation(
         tokens_per_expert: [L] rows per local expert.
         probs: [N] router probability of each row.
 
+    Experts run in groups whose FC1 output stays under `fc1_chunk_bytes()` (512 MiB unless
+    $MEGATRON_OVERLAP_FC1_CHUNK_MB says otherwise). The transient of a group (its [rows, I]
+    FC1 output and the activation's intermediates: ~5 x [rows, F] for a GLU with probs, in
+    Megatron's unfused activation) comes on top of the [N, F] output; several groups write
+    into that output one after another.
+
     Returns:
         ([N, F] activations with probs applied, x's dtype; what ran the GEMM:
-        "grouped FC1: <impl>" with impl from `expert_matmul`, plus ", weights view|stack").
+        "grouped FC1: <impl>" with impl from `expert_matmul`, plus ", weights view|stack"
+        and ", <n> expert groups" when there were several).
+
+    Raises:
+        ValueError: $MEGATRON_OVERLAP_FC1_CHUNK_MB is not a number > 0.
     """
     mlps = list(experts.local_experts)
     fc1_weights = expert_weights(experts, "linear_fc1")
@@ -479,16 +483,23 @@ def grouped_fc1_activation(
     # Experts in groups whose FC1 output stays under fc1_chunk_bytes(): the [rows, I] FC1
     # output of all experts at once would be a peak the per-expert loop never has.
     groups = expert_groups(counts, w1.shape[1] * x.element_size(), fc1_chunk_bytes())
-    outs, impl, row0 = [], "none (no rows)", 0
+    # Several groups write into one [N, F] output as they go (a list of the groups' outputs
+    # and their concatenation would hold h twice at the end).
+    h, impl, row0 = None, "none (no rows)", 0
     for first, end, rows in groups:
         fc1, impl = expert_matmul(x[row0: row0 + rows], w1[first:end], counts[first:end])
         with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
             # not __call__: expert 0's hooks stay quiet
-            h, bias = mlps[0].forward(fc1, probs[row0: row0 + rows])
+            out, bias = mlps[0].forward(fc1, probs[row0: row0 + rows])
         assert bias is None
         del fc1
-        outs.append(h)
+        if len(groups) == 1:
+            h = out
+        else:
+            if h is None:
+                h = out.new_empty(x.shape[0], out.shape[1])
+            h[row0: row0 + rows].copy_(out)
+        del out
         row0 += rows
-    h = outs[0] if len(outs) == 1 else torch.cat(outs)
     split = f", {len(groups)} expert groups" if len(groups) > 1 else ""
     return h, f"grouped FC1: {impl}, weights {how}{split}"

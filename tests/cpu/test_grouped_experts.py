@@ -20,12 +20,14 @@ there).
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_overlap.config import FC1_CHUNK_ENV
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
     expert_matmul,
@@ -367,6 +369,15 @@ def _layout_case(case: Case, rank: int) -> dict:
     _, how_auto = _fc1_direct(experts, x, counts, probs, "auto")
     res["fc1_mismatch"] = describe_mismatch(h_grouped, h_loop, rel_tol=FC1_TOLERANCE[case.dtype])
     res["fc1_how"] = (how_loop, how_grouped, how_auto)
+    # Expert groups (one expert per group here, the empty one too: 0.0001 MiB is below one
+    # FC1 row) write into one output: the same values as one group.
+    os.environ[FC1_CHUNK_ENV] = "0.0001"
+    try:
+        h_groups, how_groups = _fc1_direct(experts, x, counts, probs, "grouped")
+    finally:
+        del os.environ[FC1_CHUNK_ENV]
+    res["fc1_groups_equal"] = torch.equal(h_groups, h_grouped)
+    res["fc1_groups_how"] = how_groups
     experts.fc1_impl = "grouped"
     x.requires_grad_(True)
     experts.forward_fc1(x, counts, probs)
@@ -458,6 +469,8 @@ def _check_layout(res: dict) -> None:
     loop, grouped, auto = res["fc1_how"]
     assert loop == "loop: fc1_impl='loop'", res
     assert grouped == f"grouped FC1: {grouped_mm_name()}, weights view", res
+    assert res["fc1_groups_equal"], res
+    assert res["fc1_groups_how"] == f"{grouped}, 4 expert groups", res
     assert auto.startswith("loop: fc1_impl='auto' takes the grouped GEMM on CUDA only"), res
     assert res["fc1_how_grad"].startswith("loop: autograd is recording"), res
     assert res["fc1_how_before_swap"].startswith("grouped FC1"), res
