@@ -370,7 +370,7 @@ def _layout_case(case: Case, rank: int) -> dict:
     res["fc1_mismatch"] = describe_mismatch(h_grouped, h_loop, rel_tol=FC1_TOLERANCE[case.dtype])
     res["fc1_how"] = (how_loop, how_grouped, how_auto)
     # Expert groups (one expert per group here, the empty one too: 0.0001 MiB is below one
-    # FC1 row) write into one output: the same values as one group.
+    # FC1 row) give the same values as one group.
     os.environ[FC1_CHUNK_ENV] = "0.0001"
     try:
         h_groups, how_groups = _fc1_direct(experts, x, counts, probs, "grouped")
