@@ -82,7 +82,11 @@ from prefill import (
 )
 
 from megatron_overlap.bench.cli import check_launch_inputs, parse_layout
-from megatron_overlap.config import FC1_IMPL_ARGUMENT, PREREDUCE_ARGUMENT
+from megatron_overlap.config import (
+    BIAS_ACTIVATION_FUSION_ARGUMENT,
+    FC1_IMPL_ARGUMENT,
+    PREREDUCE_ARGUMENT,
+)
 from megatron_overlap.bench.measure import (
     Timer,
     allocated_bytes,
@@ -162,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(pre-reduced; Triton backend; also the bare flag) or off "
                              "(direct)")
     parser.add_argument("--fc1-impl", **FC1_IMPL_ARGUMENT)
+    parser.add_argument("--bias-activation-fusion", **BIAS_ACTIVATION_FUSION_ARGUMENT)
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="params and compute dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,
@@ -220,6 +225,7 @@ class RunConfig:
     host_breakdown: bool = False
     cprofile: bool = False
     fc1_impl: str = "auto"
+    bias_activation_fusion: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -273,6 +279,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         host_breakdown=args.host_breakdown,
         cprofile=args.cprofile,
         fc1_impl=args.fc1_impl,
+        bias_activation_fusion=args.bias_activation_fusion,
     )
 
 
@@ -374,6 +381,7 @@ def build_config(shape: Any, run: RunConfig, tp: int, ep: int, *, flag: bool, in
         moe_gatherrs_overlap=flag,
         moe_gatherrs_backend=run.backend,
         moe_gatherrs_prereduce=run.prereduce if flag else False,
+        bias_activation_fusion=run.bias_activation_fusion,
     )
 
 
@@ -870,6 +878,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "backend_requested": run.backend, "backend": backend,
                 "prereduce": run.prereduce,
                 "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
+                "bias_activation_fusion": run.bias_activation_fusion,
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,
                 **env,

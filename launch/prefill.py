@@ -82,7 +82,11 @@ from megatron_overlap.bench.measure import (  # after the sys.path line
     reduce_max,
     symm_workspace_bytes,
 )
-from megatron_overlap.config import FC1_IMPL_ARGUMENT, PREREDUCE_ARGUMENT  # noqa: E402
+from megatron_overlap.config import (  # noqa: E402
+    BIAS_ACTIVATION_FUSION_ARGUMENT,
+    FC1_IMPL_ARGUMENT,
+    PREREDUCE_ARGUMENT,
+)
 
 SCHEMA = "megatron_overlap.prefill/1"
 """`schema` field of every JSON row; bump when a field changes meaning."""
@@ -248,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
              "backend; also the bare flag) or off (direct)",
     )
     parser.add_argument("--fc1-impl", **FC1_IMPL_ARGUMENT)
+    parser.add_argument("--bias-activation-fusion", **BIAS_ACTIVATION_FUSION_ARGUMENT)
     parser.add_argument(
         "--dtype",
         choices=("auto", "bf16", "fp32"),
@@ -330,6 +335,7 @@ class RunConfig:
     world_size: int
     prereduce: Union[bool, str] = "auto"
     fc1_impl: str = "auto"
+    bias_activation_fusion: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -377,6 +383,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         backend=args.backend,
         prereduce=args.prereduce,
         fc1_impl=args.fc1_impl,
+        bias_activation_fusion=args.bias_activation_fusion,
         dtype=dtype,
         attention=args.attention,
         reference=args.reference,
@@ -570,6 +577,7 @@ def build_config(shape: Any, run: RunConfig, *, flag: bool, dtype: str, initiali
         moe_gatherrs_overlap=flag,
         moe_gatherrs_backend=run.backend,
         moe_gatherrs_prereduce=run.prereduce if flag else False,
+        bias_activation_fusion=run.bias_activation_fusion,
     )
 
 
@@ -1412,6 +1420,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "backend_requested": run.backend,
         "prereduce": run.prereduce,
         "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
+        "bias_activation_fusion": run.bias_activation_fusion,
         "backend": backend,
         "reference": reference_used,
         "fused_moe_layers": fused_layers,

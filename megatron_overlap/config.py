@@ -207,3 +207,12 @@ FC1_IMPL_ARGUMENT = dict(
          "grouped GEMM on CUDA where supported), grouped, or loop (Megatron's per-expert MLP "
          "loop, as 'off' runs it)")
 """argparse keywords of the launch scripts' `--fc1-impl`."""
+
+BIAS_ACTIVATION_FUSION_ARGUMENT = dict(
+    action="store_true",
+    help="set TransformerConfig.bias_activation_fusion in every variant (what Megatron-LM's "
+         "training arguments default to for SwiGLU, --bias-swiglu-fusion): the GLU "
+         "activation and the router-probability scale run as Megatron's one "
+         "torch.compile'd function (weighted_bias_swiglu_impl) instead of its unfused torch "
+         "ops; the first forwards compile it")
+"""argparse keywords of the launch scripts' `--bias-activation-fusion`."""

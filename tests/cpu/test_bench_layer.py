@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -163,11 +164,39 @@ def test_fc1_impl_reaches_the_flag_on_experts(tmp_path):
     assert proc.returncode == 0, _explain(proc)
     on = next(r for r in rows if r["variant"] == "on")
     assert on["fc1_impl"] == "grouped" and on["agree"], on
+    assert on["bias_activation_fusion"] is False, on
     assert on["experts_impl"].startswith("grouped FC1: "), on["experts_impl"]
     proc, rows = _launch(tmp_path, 1, "--baselines", "off", "--fc1-impl", "loop")
     assert proc.returncode == 0, _explain(proc)
     on = [r for r in rows if r["variant"] == "on"][-1]
     assert on["experts_impl"].startswith("loop: fc1_impl='loop'"), on["experts_impl"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU (Megatron's fused SwiGLU) needs a C++ "
+                           "compiler")
+def test_bias_activation_fusion_runs_megatrons_fused_swiglu(tmp_path):
+    """--bias-activation-fusion sets the config of every variant: Megatron's fused SwiGLU
+    with the probabilities (torch.compile'd, compiled on the first forwards), in the flag-off
+    experts' loop and the flag-on grouped FC1 alike; the variants agree and the rows say so."""
+    proc, rows = _launch(tmp_path, 1, "--baselines", "off", "--fc1-impl", "grouped",
+                         "--bias-activation-fusion")
+    assert proc.returncode == 0, _explain(proc)
+    assert {r["variant"] for r in rows} == {"off", "on"}, rows
+    for r in rows:
+        assert r["bias_activation_fusion"] is True and r["agree"], r
+
+
+def test_bias_activation_fusion_reaches_every_variants_config():
+    from megatron_overlap.models import load_model_shape
+
+    mod = _module()
+    shape = load_model_shape("tiny")
+    for argv, fused in (([], False), (["--bias-activation-fusion"], True)):
+        run = mod.resolve_args(mod.build_parser().parse_args([*argv, "--device", "cpu"]), 1)
+        for flag in (False, True):
+            config = mod.build_config(shape, run, 1, 1, flag=flag, initialize=False)
+            assert config.bias_activation_fusion is fused, (argv, flag)
 
 
 def test_sequence_longer_than_the_model_takes_exits_2(tmp_path):
