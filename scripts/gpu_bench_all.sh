@@ -31,7 +31,7 @@
 # MO_PREREDUCE=auto|on|off sets the combine mode of the flag-on variant of the layer grid
 # and the prefill (`--prereduce`; default: the launchers' default, auto: the resource
 # manager picks per call). Rows carry "prereduce" (true / false / "auto"); give
-# make_report rows of one setting at a time, it does not tell them apart.
+# make_report rows of one setting at a time: it lists the settings and warns on a mix.
 # Knobs (environment): MO_BUDGET_S (default 480: seconds for phases 1-3), MO_MODELS
 # (space-separated), MO_SEQS, MO_LAYER_ITERS (20), MO_PREFILL_ITERS (10), MO_MOE_LAYERS (2),
 # MO_NPROC (2: GPUs used), MO_LAYOUTS (default "ep<N> tp<N>"; tpXepY names with

@@ -456,6 +456,31 @@ def environment_section(rows: list[dict]) -> str:
     return _table(list(fields) + ["timestamps (UTC)", "rows"], lines)
 
 
+SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion")
+"""Row fields of a run's settings that change what the variants compute or how fast (absent
+in older rows: shown as "-")."""
+
+
+def settings_section(rows: list[dict]) -> str:
+    """The runs' settings (`SETTING_FIELDS`) per benchmark with their row counts, and a
+    warning for a benchmark whose rows mix settings (its tables then compare workloads
+    measured under different settings)."""
+    combos: dict = {}
+    for row in rows:
+        key = (row["benchmark"],) + tuple(
+            "-" if row.get(f) is None else str(row.get(f)).lower() for f in SETTING_FIELDS)
+        combos[key] = combos.get(key, 0) + 1
+    lines = [list(key) + [str(n)] for key, n in sorted(combos.items())]
+    text = _table(["benchmark", *SETTING_FIELDS, "rows"], lines)
+    per_benchmark: dict = {}
+    for key in combos:
+        per_benchmark[key[0]] = per_benchmark.get(key[0], 0) + 1
+    for benchmark in sorted(b for b, n in per_benchmark.items() if n > 1):
+        text += (f"\n\n**Warning:** the {benchmark} rows mix settings: its tables compare "
+                 "workloads measured under different settings.")
+    return text
+
+
 def commands_section(rows: list[dict], paths: Sequence[str], out: str) -> str:
     """The launch commands recorded in the rows, and the command that made this report."""
     commands = sorted({row["command"] for row in rows if row.get("command")})
@@ -525,6 +550,7 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
     parts += ["", "## Agreement with flag off", ""]
     parts += bad or [("Every variant agreed with `off` on every workload (criterion in each "
                       "row's `criterion` field).")]
+    parts += ["", "## Run settings", "", settings_section(rows)]
     parts += ["", "## Hardware and software", "", environment_section(rows)]
     parts += ["", "## Commands", "", commands_section(rows, paths, out), ""]
     return "\n".join(parts)

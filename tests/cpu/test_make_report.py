@@ -121,7 +121,8 @@ def test_report_file_sections_and_plots(tmp_path):
     text = out.read_text()
     assert "skipped 1 rows of other benchmarks, 0 CPU rows, 0 older duplicates" in text
     for heading in ("## MoE layer", "## Full-model prefill", "## Variants, exactly",
-                    "## Agreement with flag off", "## Hardware and software", "## Commands"):
+                    "## Agreement with flag off", "## Run settings", "## Hardware and software",
+                    "## Commands"):
         assert heading in text, heading
     assert "| fine-grained | all | off-grouped | 2 | 1.342 | 1.200 | 0 |" in text
     assert "Where flag on is slower than a baseline (host ms:" in text  # mixtral 0.8x
@@ -260,3 +261,20 @@ def test_output_paths_are_checked(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(data), "--plot", str(tmp_path)])
     assert exit_info.value.code == 2
+
+
+def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
+    rows = [_row("layer", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 4096, v, 1.0, prereduce="auto",
+                 fc1_impl="auto", bias_activation_fusion=False) for v in ("on", "off")]
+    rows.append(_row("prefill", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 4096, "on", 1.0))
+    text = mr.settings_section(rows)
+    assert "| layer | auto | auto | false | 2 |" in text, text
+    assert "| prefill | - | - | - | 1 |" in text, text  # rows from before the fields
+    assert "Warning" not in text, text
+    rows.append(_row("layer", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 8192, "on", 1.0,
+                     prereduce="auto", fc1_impl="auto", bias_activation_fusion=True))
+    text = mr.settings_section(rows)
+    assert "| layer | auto | auto | true | 1 |" in text, text
+    assert "**Warning:** the layer rows mix settings" in text, text
+    assert "prefill rows mix" not in text, text
+
