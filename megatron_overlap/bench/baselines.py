@@ -32,8 +32,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
     cached_fc1_reason,
-    expert_weights,
     expert_matmul,
+    expert_weights,
     grouped_fc1_activation,
     grouped_mm_name,
     stack_parameters_,

@@ -35,9 +35,9 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.mlp import MLP
 
 from megatron_overlap.config import fc1_chunk_bytes
-from megatron.core.transformer.mlp import MLP
 
 __all__ = [
     "expert_matmul",
@@ -142,9 +142,10 @@ def expert_parts(experts: torch.nn.Module, part: str) -> list:
     Every forward asks for the local experts' FC1 / FC2 modules and weights. Through
     `nn.Module.__getattr__` each access costs ~0.7 us of host time (measured on the dev
     CPU, 64 experts as Qwen3-30B-A3B has per rank at EP = 2: 49 us for their `linear_fc1`
-    modules, 87 us for those modules' weights); the registry lookups here take 3 and 6 us. Same objects: `nn.Module`
-    attribute access resolves a registered child module or parameter from exactly these
-    dicts; anything else (a property, a plain attribute) falls back to `getattr`.
+    modules, 87 us for those modules' weights); the registry lookups here take 3 and 6 us.
+    Same objects: `nn.Module` attribute access resolves a registered child module or
+    parameter from exactly these dicts; anything else (a property, a plain attribute)
+    falls back to `getattr`.
 
     Args:
         experts: a `SequentialMLP` (its `local_experts` is a `ModuleList`).
