@@ -9,7 +9,8 @@ Traces come from `launch/bench_layer.py --profile --trace-dir DIR`. For each tra
     Megatron's own ranges) with start offset and duration;
   * the device's idle gaps longer than --gap-us, each with the host operations that were
     running when it began (what the device waited for: a host sync, a slow enqueue);
-  * the CUDA runtime calls by total host time (a host that waits for the device shows here:
+  * the CUDA API calls (runtime and driver: Triton launches through the driver's
+    cuLaunchKernel) by total host time (a host that waits for the device shows here:
     cudaStreamSynchronize, cudaEventSynchronize, or a cudaMemcpyAsync from pageable memory
     that the driver ran synchronously), with each one's longest call;
   * the kernels by total time.
@@ -31,6 +32,8 @@ if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
 from megatron_overlap.bench.cli import non_negative_float, positive_int  # noqa: E402
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+API_CATS = ("cuda_runtime", "cuda_driver")
+"""torch.profiler's categories of CUDA API calls (Triton kernels launch through the driver)."""
 
 
 def load(path: str) -> list[dict]:
@@ -75,12 +78,12 @@ def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def runtime_totals(events: list[dict]) -> list[tuple[str, float, int, float]]:
-    """The "cuda_runtime" events per name: (name, total us, count, longest us), by total
-    time, largest first."""
+def api_totals(events: list[dict]) -> list[tuple[str, float, int, float]]:
+    """The CUDA API events (`API_CATS`) per name: (name, total us, count, longest us), by
+    total time, largest first."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     for e in events:
-        if e.get("cat") == "cuda_runtime":
+        if e.get("cat") in API_CATS:
             t = totals[e["name"]]
             dur = float(e["dur"])
             t[0] += dur
@@ -98,7 +101,7 @@ def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
     t1 = max(float(e["ts"]) + float(e["dur"]) for e in events)
     device = [e for e in events if e.get("cat") in DEVICE_CATS]
     host_ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation",
-                                                       "cuda_runtime", "python_function")]
+                                                       "python_function", *API_CATS)]
     busy = busy_intervals(device)
     busy_us = sum(b - a for a, b in busy)
     lines = [f"== {path}"]
@@ -127,9 +130,9 @@ def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
             lines.append(f"  +{prev_end - t0:8.0f} {a - prev_end:8.0f} | {names}")
         prev_end = max(prev_end, b)
 
-    lines.append("-- CUDA runtime calls by host time: total count max name")
+    lines.append("-- CUDA API calls (runtime and driver) by host time: total count max name")
     lines.extend(f"  {tot:8.0f} {n:4d} {longest:8.0f}  {name[:60]}" for name, tot, n, longest
-                 in runtime_totals(events)[:top])
+                 in api_totals(events)[:top])
 
     lines.append("-- kernels by total time: total count name")
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])

@@ -28,6 +28,9 @@ sends one entry per destination and local expert, `_tile_list_block` expands the
 "host" (numpy `expand_tiles` + `wave_order`, the whole list copied; the twin, for
 comparison and debugging)."""
 
+FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
+"""The grouped FC1's largest output per group of experts, in MiB (`fc1_chunk_bytes`)."""
+
 SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
 """Environment variable of the resource solver: "cpp", "python" or unset (C++ when built;
 `megatron_overlap.resource.solver.implementation`)."""
@@ -55,9 +58,8 @@ def check_environment() -> None:
     fc1_chunk_bytes()
 
 
-FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
-"""Environment variable: the grouped FC1's largest output per group of experts, in MiB
-(`fc1_chunk_bytes`)."""
+FC1_CHUNK_MAX_MB = 2**30
+"""Largest accepted `MEGATRON_OVERLAP_FC1_CHUNK_MB` (1 PiB: no limit in practice)."""
 
 
 def fc1_chunk_bytes() -> int:
@@ -67,7 +69,8 @@ def fc1_chunk_bytes() -> int:
     lower the FC1's transient peak at the cost of more launches).
 
     Raises:
-        ValueError: the variable is set to something other than a finite number > 0.
+        ValueError: the variable is set to something other than a number in
+            (0, FC1_CHUNK_MAX_MB].
     """
     raw = os.environ.get(FC1_CHUNK_ENV, "")
     if not raw:
@@ -76,8 +79,9 @@ def fc1_chunk_bytes() -> int:
         mib = float(raw)
     except ValueError:
         mib = float("nan")
-    if not (0 < mib < float("inf")):
-        raise ValueError(f"{FC1_CHUNK_ENV}={raw!r}: expected a number of MiB > 0 (e.g. 128)")
+    if not (0 < mib <= FC1_CHUNK_MAX_MB):
+        raise ValueError(f"{FC1_CHUNK_ENV}={raw!r}: expected a number of MiB > 0 and <= "
+                         f"{FC1_CHUNK_MAX_MB} (e.g. 128)")
     return max(1, int(mib * 2**20))
 
 

@@ -41,7 +41,7 @@ Common fields:
   rows from before v4.4), prereduce (the run's setting: true | false | "auto"), fc1_impl
   (the flag-on experts' FC1 setting, "auto" | "grouped" | "loop"; absent before v4.7),
   bias_activation_fusion (the run's `--bias-activation-fusion`, every variant; absent
-  before v4.8),
+  in rows from before 6a8f863, v4.8's layer grid among them),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer, from v4.5: p50 of the host time to enqueue a forward, slowest rank;

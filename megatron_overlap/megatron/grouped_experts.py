@@ -142,7 +142,7 @@ def expert_parts(experts: torch.nn.Module, part: str) -> list:
     Every forward asks for the local experts' FC1 / FC2 modules and weights. Through
     `nn.Module.__getattr__` each access costs ~0.7 us of host time (measured on the dev
     CPU, 64 experts as Qwen3-30B-A3B has per rank at EP = 2: 49 us for their `linear_fc1`
-    modules, 87 us for those modules' weights); the registry lookups here take 3 and 6 us.
+    modules, 87 us for those modules' weights); the lookups here take 3 and 12 us.
     Same objects: `nn.Module` attribute access resolves a registered child module or
     parameter from exactly these dicts; anything else (a property, a plain attribute)
     falls back to `getattr`.

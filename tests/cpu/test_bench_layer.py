@@ -172,6 +172,26 @@ def test_fc1_impl_reaches_the_flag_on_experts(tmp_path):
     assert on["experts_impl"].startswith("loop: fc1_impl='loop'"), on["experts_impl"]
 
 
+#: Wrapper that records the rows of every call of Megatron's fused weighted SwiGLU (the
+#: MLP's `bias_activation_fusion` path) and prints them at exit.
+FUSED_SWIGLU_SPY = """
+import atexit, runpy, sys
+import megatron.core.transformer.mlp as mlp
+
+seen = []
+original = mlp.weighted_bias_swiglu_impl
+
+def spy(x, *args, **kwargs):
+    seen.append(x.shape[0])
+    return original(x, *args, **kwargs)
+
+mlp.weighted_bias_swiglu_impl = spy
+atexit.register(lambda: print("FUSED_SWIGLU_ROWS=" + ",".join(map(str, seen)), flush=True))
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU (Megatron's fused SwiGLU) needs a C++ "
                            "compiler")
@@ -179,12 +199,20 @@ def test_bias_activation_fusion_runs_megatrons_fused_swiglu(tmp_path):
     """--bias-activation-fusion sets the config of every variant: Megatron's fused SwiGLU
     with the probabilities (torch.compile'd, compiled on the first forwards), in the flag-off
     experts' loop and the flag-on grouped FC1 alike; the variants agree and the rows say so."""
+    spy = tmp_path / "spy_fused_swiglu.py"
+    spy.write_text(FUSED_SWIGLU_SPY)
     proc, rows = _launch(tmp_path, 1, "--baselines", "off", "--fc1-impl", "grouped",
-                         "--bias-activation-fusion")
+                         "--bias-activation-fusion", script=spy)
     assert proc.returncode == 0, _explain(proc)
     assert {r["variant"] for r in rows} == {"off", "on"}, rows
     for r in rows:
         assert r["bias_activation_fusion"] is True and r["agree"], r
+    # Megatron's fused SwiGLU ran: per expert for "off" (the tiny model's 8 experts, top-2),
+    # and once over all SEQ * 2 rows for the flag-on grouped FC1
+    assert "FUSED_SWIGLU_ROWS=" in proc.stdout, _explain(proc)
+    rows_seen = [int(n) for n in proc.stdout.split("FUSED_SWIGLU_ROWS=")[-1].split()[0]
+                 .split(",") if n]
+    assert len(rows_seen) > 8 and SEQ * 2 in rows_seen, rows_seen
 
 
 def test_bias_activation_fusion_reaches_every_variants_config():

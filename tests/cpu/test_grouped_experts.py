@@ -158,6 +158,18 @@ def test_expert_parts_and_weights_are_the_attribute_path():
     experts.local_experts = torch.nn.ModuleList([_PropertyExpert()])
     assert expert_parts(experts, "linear_fc3")[0] is experts.local_experts[0].linear_fc2
     assert expert_weights(experts, "linear_fc3")[0] is experts.local_experts[0].linear_fc2.weight
+    # the fallbacks: a weight registered as None, one that is a plain attribute, a child
+    # registered as None (AttributeError, as the attribute access raises on None.weight)
+    expert = experts.local_experts[0]
+    expert.linear_fc1.weight = None
+    assert expert_weights(experts, "linear_fc1") == [None]
+    del expert.linear_fc1._parameters["weight"]
+    expert.linear_fc1.__dict__["weight"] = "plain"
+    assert expert_weights(experts, "linear_fc1") == ["plain"]
+    expert.linear_fc1 = None
+    assert expert_parts(experts, "linear_fc1") == [None]
+    with pytest.raises(AttributeError, match="weight"):
+        expert_weights(experts, "linear_fc1")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -371,11 +383,15 @@ def _layout_case(case: Case, rank: int) -> dict:
     res["fc1_how"] = (how_loop, how_grouped, how_auto)
     # Expert groups (one expert per group here, the empty one too: 0.0001 MiB is below one
     # FC1 row) give the same values as one group.
+    saved_chunk = os.environ.get(FC1_CHUNK_ENV)
     os.environ[FC1_CHUNK_ENV] = "0.0001"
     try:
         h_groups, how_groups = _fc1_direct(experts, x, counts, probs, "grouped")
     finally:
-        del os.environ[FC1_CHUNK_ENV]
+        if saved_chunk is None:
+            del os.environ[FC1_CHUNK_ENV]
+        else:
+            os.environ[FC1_CHUNK_ENV] = saved_chunk
     res["fc1_groups_equal"] = torch.equal(h_groups, h_grouped)
     res["fc1_groups_how"] = how_groups
     experts.fc1_impl = "grouped"
@@ -490,6 +506,21 @@ def test_flag_on_experts_layout_and_grouped_fc1(world):
                 _check_layout(res)
             else:
                 check_layer(case, res, where)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("", 512 * 2**20), ("128", 128 * 2**20), ("0.5", 2**19), ("1e-9", 1),
+    ("0", None), ("-1", None), ("abc", None), ("nan", None), ("inf", None), ("1e308", None),
+])
+def test_fc1_chunk_bytes_reads_and_checks_the_variable(monkeypatch, value, expected):
+    from megatron_overlap.config import fc1_chunk_bytes
+
+    monkeypatch.setenv(FC1_CHUNK_ENV, value)
+    if expected is None:
+        with pytest.raises(ValueError, match=f"{FC1_CHUNK_ENV}={value!r}: expected a number"):
+            fc1_chunk_bytes()
+    else:
+        assert fc1_chunk_bytes() == expected
 
 
 def test_expert_groups_bound_the_fc1_output():

@@ -286,3 +286,17 @@ def test_num_moe_layers_keeps_leading_dense_layers():
     run = module.resolve_args(args, world_size=1)
     assert run.baselines == ("off", "off-grouped") and run.num_layers is None
     assert module.num_layers_for(load_model_shape("qwen3-30b-a3b"), run) == 48  # the model's
+
+
+def test_bias_activation_fusion_reaches_every_variants_config():
+    module = _prefill_module()
+    from megatron_overlap.models import load_model_shape
+
+    shape = load_model_shape("tiny")
+    for argv, fused in (([], False), (["--bias-activation-fusion"], True)):
+        run = module.resolve_args(module.build_parser().parse_args([*argv, "--device", "cpu"]),
+                                  world_size=1)
+        assert run.bias_activation_fusion is fused
+        for flag in (False, True):
+            config = module.build_config(shape, run, flag=flag, dtype="fp32", initialize=False)
+            assert config.bias_activation_fusion is fused, (argv, flag)

@@ -207,10 +207,13 @@ def test_trace_summary_skips_non_events_and_names_bad_times(tmp_path):
         module.load(str(trace))
     sync = {"ph": "X", "ts": 0, "dur": 40, "name": "cudaStreamSynchronize", "cat": "cuda_runtime"}
     launch = {"ph": "X", "ts": 5, "dur": 3, "name": "cudaLaunchKernel", "cat": "cuda_runtime"}
-    events = [sync, launch, dict(launch, ts=9, dur=7), dict(sync, dur=10), good]
-    assert module.runtime_totals(events) == [("cudaStreamSynchronize", 50.0, 2, 40.0),
-                                             ("cudaLaunchKernel", 10.0, 2, 7.0)]
+    driver = {"ph": "X", "ts": 20, "dur": 4, "name": "cuLaunchKernel", "cat": "cuda_driver"}
+    events = [sync, launch, dict(launch, ts=9, dur=7), dict(sync, dur=10), good, driver]
+    assert module.api_totals(events) == [("cudaStreamSynchronize", 50.0, 2, 40.0),
+                                         ("cudaLaunchKernel", 10.0, 2, 7.0),
+                                         ("cuLaunchKernel", 4.0, 1, 4.0)]
     trace.write_text(json.dumps({"traceEvents": events}))
     text = module.summarize(str(trace))
-    assert "-- CUDA runtime calls by host time" in text
+    assert "-- CUDA API calls (runtime and driver) by host time" in text
+    assert "cuLaunchKernel" in text
     assert "      50    2       40  cudaStreamSynchronize" in text
