@@ -86,6 +86,7 @@ from megatron_overlap.config import (
     BIAS_ACTIVATION_FUSION_ARGUMENT,
     FC1_IMPL_ARGUMENT,
     PREREDUCE_ARGUMENT,
+    fc1_chunk_bytes,
 )
 from megatron_overlap.bench.measure import (
     Timer,
@@ -879,6 +880,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "prereduce": run.prereduce,
                 "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
                 "bias_activation_fusion": run.bias_activation_fusion,
+                "fc1_chunk_bytes": fc1_chunk_bytes(),
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,
                 **env,

@@ -86,6 +86,7 @@ from megatron_overlap.config import (  # noqa: E402
     BIAS_ACTIVATION_FUSION_ARGUMENT,
     FC1_IMPL_ARGUMENT,
     PREREDUCE_ARGUMENT,
+    fc1_chunk_bytes,
 )
 
 SCHEMA = "megatron_overlap.prefill/1"
@@ -1421,6 +1422,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "prereduce": run.prereduce,
         "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
         "bias_activation_fusion": run.bias_activation_fusion,
+        "fc1_chunk_bytes": fc1_chunk_bytes(),
         "backend": backend,
         "reference": reference_used,
         "fused_moe_layers": fused_layers,

@@ -20,7 +20,9 @@ All times in microseconds; offsets from the trace's first event.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import math
 import os
 import sys
 from collections import defaultdict
@@ -44,12 +46,14 @@ def load(path: str) -> list[dict]:
             ts / dur is not a number (names the file and the event).
     """
     try:
-        with open(path) as f:
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
             data = json.load(f)
     except OSError as err:
-        raise ValueError(f"{path}: cannot read it ({err.strerror})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not a JSON chrome trace ({err})") from None
+        raise ValueError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON chrome trace (a .json file, or .json.gz; "
+                         f"{err})") from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: no traceEvents list (not a torch.profiler chrome trace)")
@@ -58,10 +62,15 @@ def load(path: str) -> list[dict]:
         if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e or "dur" not in e:
             continue  # other phases, metadata, anything that is not an event object
         try:
-            float(e["ts"]), float(e["dur"])
+            ts, dur = float(e["ts"]), float(e["dur"])
         except (TypeError, ValueError):
+            ts = dur = float("nan")
+        if not (math.isfinite(ts) and math.isfinite(dur) and dur >= 0):
             raise ValueError(f"{path}: traceEvents[{i}] has ts={e['ts']!r}, dur={e['dur']!r}; "
-                             "expected numbers (microseconds)") from None
+                             "expected finite numbers of microseconds, dur >= 0") from None
+        if not isinstance(e.get("name"), str):
+            raise ValueError(f"{path}: traceEvents[{i}] has name={e.get('name')!r}; expected "
+                             "a string")
         out.append(e)
     return out
 

@@ -152,18 +152,29 @@ def layout_label(tp: int, ep: int) -> str:
 
 def check_launch_inputs(out: str, flag: str = "--out") -> None:
     """What every launcher checks before any work: each `MEGATRON_OVERLAP_*` variable
-    (`megatron_overlap.config.check_environment`) and that the results file `out` does not
-    name a directory (otherwise found only when the rows are written, at the end).
+    (`megatron_overlap.config.check_environment`), that the results file `out` does not
+    name a directory, and that its folder exists or can be created (created here; otherwise
+    found only when the rows are written).
 
     Raises:
-        ValueError: a bad variable, or `out` is an existing directory.
+        ValueError: a bad variable, `out` is an existing directory, or its folder cannot be
+            created (a path component is a file, no permission; the OS's reason named).
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
     from megatron_overlap.config import check_environment
 
     check_environment()
-    if out and os.path.isdir(out):
+    if not out:
+        return
+    if os.path.isdir(out):
         raise ValueError(f"{flag} {out!r} is a directory: give a file path")
+    folder = os.path.dirname(out)
+    if folder:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} "
+                             f"({err.strerror})") from None
 
 
 def json_rows(path: str) -> Iterator[Tuple[int, object]]:

@@ -41,7 +41,9 @@ Common fields:
   rows from before v4.4), prereduce (the run's setting: true | false | "auto"), fc1_impl
   (the flag-on experts' FC1 setting, "auto" | "grouped" | "loop"; absent before v4.7),
   bias_activation_fusion (the run's `--bias-activation-fusion`, every variant; absent
-  in rows from before 6a8f863, v4.8's layer grid among them),
+  in rows from before 6a8f863, v4.8's layer grid among them), fc1_chunk_bytes (the
+  grouped FC1's largest output per group of experts, `MEGATRON_OVERLAP_FC1_CHUNK_MB`;
+  absent before v4.8's last commits),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer, from v4.5: p50 of the host time to enqueue a forward, slowest rank;
@@ -456,7 +458,7 @@ def environment_section(rows: list[dict]) -> str:
     return _table(list(fields) + ["timestamps (UTC)", "rows"], lines)
 
 
-SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion")
+SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
 in older rows: shown as "-")."""
 

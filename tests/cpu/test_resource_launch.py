@@ -176,6 +176,10 @@ def test_regret_summary_table_and_plot(tmp_path):
     ("bench_op.py", ["--models", "nosuch"], "model 'nosuch': unknown"),
     ("bench_op.py", ["--variants", "bogus"], "tile variant 'bogus'"),
     ("bench_op.py", ["--out", "."], "--out '.' is a directory"),
+    ("bench_op.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
+    ("bench_layer.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
+    ("prefill.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
+    ("oracle.py", ["--dry-run", "--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
     ("trace_summary.py", ["t.json", "--top", "0"], "--top: '0': expected an integer >= 1"),
     ("trace_summary.py", ["t.json", "--gap-us", "nan"], "--gap-us: 'nan': expected finite"),
     ("profile_call.py", ["--tokens", "x"], "--tokens: 'x'"),
@@ -205,6 +209,18 @@ def test_trace_summary_skips_non_events_and_names_bad_times(tmp_path):
     trace.write_text(json.dumps({"traceEvents": [good, {"ph": "X", "ts": "a", "dur": 1}]}))
     with pytest.raises(ValueError, match=r"t.json: traceEvents\[1\] has ts='a'"):
         module.load(str(trace))
+    for bad, what in (({"ts": 1, "dur": float("nan")}, "dur=nan"), ({"ts": 1, "dur": -2},
+                      "dur=-2"), ({"ts": 1, "dur": 2, "name": None}, "name=None")):
+        trace.write_text(json.dumps({"traceEvents": [good, {"ph": "X", "name": "k", **bad}]}))
+        with pytest.raises(ValueError, match=rf"traceEvents\[1\] has .*{what}"):
+            module.load(str(trace))
+    trace.write_bytes(b"\x8b\x1f not text")
+    with pytest.raises(ValueError, match="t.json: not a JSON chrome trace"):
+        module.load(str(trace))
+    import gzip
+    packed = tmp_path / "t.json.gz"
+    packed.write_bytes(gzip.compress(json.dumps({"traceEvents": [good]}).encode()))
+    assert module.load(str(packed)) == [good]
     sync = {"ph": "X", "ts": 0, "dur": 40, "name": "cudaStreamSynchronize", "cat": "cuda_runtime"}
     launch = {"ph": "X", "ts": 5, "dur": 3, "name": "cudaLaunchKernel", "cat": "cuda_runtime"}
     driver = {"ph": "X", "ts": 20, "dur": 4, "name": "cuLaunchKernel", "cat": "cuda_driver"}
