@@ -169,7 +169,7 @@ def test_grouped_baseline_matches_sequential_mlp(world):
             assert res["experts_mismatch"] is None, where
             assert res["layer_mismatch"] is None, where
             assert res["experts_impl"] == (
-                f"grouped FC1: {grouped_mm_name()}, weights view; grouped FC2: "
+                f"grouped FC1: {grouped_mm_name()}, weights view, SwiGLU in place; grouped FC2: "
                 f"{grouped_mm_name()}, weights view"), where
             # cached: no stacking check on the second forward; redone (FC1, FC2) after a move
             assert res["cached_checks"] == [], where

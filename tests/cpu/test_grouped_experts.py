@@ -34,9 +34,12 @@ from megatron_overlap.megatron.grouped_experts import (
     expert_parts,
     expert_weights,
     grouped_mm_name,
+    mlp_parts_replaced,
     stack_parameters_,
     stacked_view,
     stacked_weights,
+    swiglu_in_place_applies,
+    swiglu_probs_in_place,
 )
 from tests.support.asserts import describe_mismatch
 from tests.support.dist import for_each_case, run_distributed
@@ -381,6 +384,23 @@ def _layout_case(case: Case, rank: int) -> dict:
     _, how_auto = _fc1_direct(experts, x, counts, probs, "auto")
     res["fc1_mismatch"] = describe_mismatch(h_grouped, h_loop, rel_tol=FC1_TOLERANCE[case.dtype])
     res["fc1_how"] = (how_loop, how_grouped, how_auto)
+    # The in-place SwiGLU against Megatron's own MLP.forward (FC1 / FC2 passed through):
+    # the same values bit for bit, -0.0, large and tiny inputs and fp32 probs included.
+    width = experts.local_experts[0].linear_fc1.weight.shape[0]
+    mlps = list(experts.local_experts)
+    res["swiglu_applies"] = swiglu_in_place_applies(experts.config)
+    res["swiglu_equal"] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        fc1 = torch.randn(23, width, generator=gen) * 8
+        fc1[0] = -0.0
+        fc1[1, : width // 2] = 1e-30
+        fc1 = fc1.to(dtype)
+        row_probs = torch.rand(23, generator=gen)
+        with torch.no_grad(), mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
+            reference, _ = mlps[0].forward(fc1.clone(), row_probs)
+        in_place = swiglu_probs_in_place(fc1.clone(), row_probs)
+        res["swiglu_equal"].append(in_place.dtype == reference.dtype == dtype
+                                   and torch.equal(in_place, reference))
     # Expert groups (one expert per group here, the empty one too: 0.0001 MiB is below one
     # FC1 row) give the same values as one group.
     saved_chunk = os.environ.get(FC1_CHUNK_ENV)
@@ -465,7 +485,9 @@ def check_layer(case: Case, res: dict, where: str) -> None:
         assert res["last_fc1"].startswith("loop: one local expert"), (where, res)
     else:
         assert res["last_fc1"].startswith(f"grouped FC1: {grouped_mm_name()}"), (where, res)
-        assert res["last_fc1"].endswith("weights view"), (where, res)
+        # SwiGLU in place; GeGLU / GELU through Megatron's MLP.forward
+        tail = ", SwiGLU in place" if case.activation == "swiglu" else ""
+        assert res["last_fc1"].endswith(f"weights view{tail}"), (where, res)
 
 
 def _check_layout(res: dict) -> None:
@@ -484,9 +506,11 @@ def _check_layout(res: dict) -> None:
     assert res["fc1_mismatch"] is None, res
     loop, grouped, auto = res["fc1_how"]
     assert loop == "loop: fc1_impl='loop'", res
-    assert grouped == f"grouped FC1: {grouped_mm_name()}, weights view", res
+    assert grouped == f"grouped FC1: {grouped_mm_name()}, weights view, SwiGLU in place", res
+    assert res["swiglu_applies"] and res["swiglu_equal"] == [True, True], res
     assert res["fc1_groups_equal"], res
-    assert res["fc1_groups_how"] == f"{grouped}, 4 expert groups", res
+    assert res["fc1_groups_how"] == (f"grouped FC1: {grouped_mm_name()}, weights view, "
+                                     "4 expert groups, SwiGLU in place"), res
     assert auto.startswith("loop: fc1_impl='auto' takes the grouped GEMM on CUDA only"), res
     assert res["fc1_how_grad"].startswith("loop: autograd is recording"), res
     assert res["fc1_how_before_swap"].startswith("grouped FC1"), res
@@ -521,6 +545,26 @@ def test_fc1_chunk_bytes_reads_and_checks_the_variable(monkeypatch, value, expec
             fc1_chunk_bytes()
     else:
         assert fc1_chunk_bytes() == expected
+
+
+def test_swiglu_in_place_only_where_it_is_megatrons_unfused_swiglu():
+    from types import SimpleNamespace
+
+    base = dict(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+                use_te_activation_func=False, activation_func_clamp_value=None,
+                glu_linear_offset=0.0)
+    assert swiglu_in_place_applies(SimpleNamespace(**base))
+    for change in (dict(gated_linear_unit=False), dict(activation_func=F.gelu),
+                   dict(bias_activation_fusion=True), dict(use_te_activation_func=True),
+                   dict(activation_func_clamp_value=7.0), dict(glu_linear_offset=1.0)):
+        assert not swiglu_in_place_applies(SimpleNamespace(**{**base, **change})), change
+    # Megatron's own formula, bf16 FC1 and fp32 probs: the same values
+    gen = torch.Generator().manual_seed(3)
+    fc1 = (torch.randn(9, 12, generator=gen) * 4).to(torch.bfloat16)
+    probs = torch.rand(9, generator=gen)
+    x_glu, x_lin = torch.chunk(fc1, 2, dim=-1)
+    expected = (F.silu(x_glu) * (x_lin + 0.0) * probs.unsqueeze(-1)).to(torch.bfloat16)
+    assert torch.equal(swiglu_probs_in_place(fc1.clone(), probs), expected)
 
 
 def test_expert_groups_bound_the_fc1_output():
