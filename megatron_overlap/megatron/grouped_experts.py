@@ -344,25 +344,27 @@ def swiglu_probs_in_place(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tenso
 
     Megatron: `x_glu, x_lin = chunk(fc1, 2)`; `silu(x_glu) * (x_lin + 0.0)` (two new
     [n, F] tensors and their product), `* probs[:, None]` (an fp32 [n, F] for fp32 probs),
-    `.to(fc1.dtype)`: ~5 [n, F] held at once besides FC1's [n, 2F], ~13 [n, F] of memory
-    traffic. Here: `silu` in place in x_glu, `x_glu *= x_lin`, then one `torch.mul` with
-    `out=` in fc1's dtype (computed in the promoted dtype, rounded once on the store, as
-    `.to` rounds): one new [n, F], ~7 [n, F] of traffic, 3 launches instead of 5. The values
-    are Megatron's bit for bit (`x_lin + 0.0` only turns -0.0 into +0.0; tested against
-    `MLP.forward` in fp32 and bf16).
+    `.to(fc1.dtype)`: up to 3 [n, F] held at once besides FC1's [n, 2F] (5 with it), ~13
+    [n, F] of memory traffic and 5 launches for bf16 FC1 and fp32 probs. Here: `silu` in
+    place in x_glu, `x_glu *= x_lin`, then one `torch.mul` with `out=` in fc1's dtype
+    (computed in the promoted dtype, rounded once on the store, as `.to` rounds): one new
+    [n, F], ~7 [n, F] of traffic, 3 launches. Equal values (tested against `MLP.forward` in
+    fp32 and bf16); an exact zero may differ in sign, as Megatron's `x_lin + 0.0` turns
+    -0.0 into +0.0 first.
 
     Args:
-        fc1: [n, 2F] FC1 output (overwritten; autograd must not be recording).
-        probs: [n] router probabilities.
+        fc1: [..., 2F] FC1 output (overwritten; autograd must not record it).
+        probs: [...] router probabilities (autograd must not record them either: `out=`
+            has no gradient; `grouped_fc1_activation` then takes `MLP.forward`).
 
     Returns:
-        [n, F] in fc1's dtype.
+        [..., F] in fc1's dtype.
     """
     half = fc1.shape[-1] // 2
-    x_glu, x_lin = fc1[:, :half], fc1[:, half:]
+    x_glu, x_lin = fc1[..., :half], fc1[..., half:]
     F.silu(x_glu, inplace=True)
     x_glu.mul_(x_lin)
-    out = torch.empty((fc1.shape[0], half), dtype=fc1.dtype, device=fc1.device)
+    out = torch.empty((*fc1.shape[:-1], half), dtype=fc1.dtype, device=fc1.device)
     return torch.mul(x_glu, probs.unsqueeze(-1), out=out)
 
 
@@ -510,8 +512,8 @@ def grouped_fc1_activation(
 
     Experts run in groups whose FC1 output stays under `fc1_chunk_bytes()` (512 MiB unless
     $MEGATRON_OVERLAP_FC1_CHUNK_MB says otherwise). The transient of a group (its [rows, I]
-    FC1 output and the activation's intermediates: [rows, F] in place, ~5 x [rows, F] in
-    Megatron's unfused `MLP.forward` with a GLU and probs) comes on top of the earlier
+    FC1 output and the activation's intermediates: [rows, F] in place, up to 3 x [rows, F]
+    in Megatron's unfused `MLP.forward` with a GLU and probs) comes on top of the earlier
     groups' outputs, and their concatenation holds [N, F] twice at the end.
 
     Returns:
@@ -534,7 +536,10 @@ def grouped_fc1_activation(
     # The groups' outputs are concatenated at the end (2 x [N, F] then). Writing them into
     # one [N, F] allocated up front holds all of h during every group's transient instead:
     # a higher peak for up to ~5 groups (measured: Mixtral EP2 8192, 2 groups, +227 MiB).
-    in_place = swiglu_in_place_applies(experts.config)
+    # (probs recorded by autograd, e.g. a trainable router with frozen experts: Megatron's
+    # MLP.forward keeps their gradient, an out= product would refuse)
+    in_place = (swiglu_in_place_applies(experts.config)
+                and not (torch.is_grad_enabled() and probs.requires_grad))
     outs, impl, row0 = [], "none (no rows)", 0
     for first, end, rows in groups:
         fc1, impl = expert_matmul(x[row0: row0 + rows], w1[first:end], counts[first:end])

@@ -385,7 +385,8 @@ def _layout_case(case: Case, rank: int) -> dict:
     res["fc1_mismatch"] = describe_mismatch(h_grouped, h_loop, rel_tol=FC1_TOLERANCE[case.dtype])
     res["fc1_how"] = (how_loop, how_grouped, how_auto)
     # The in-place SwiGLU against Megatron's own MLP.forward (FC1 / FC2 passed through):
-    # the same values bit for bit, -0.0, large and tiny inputs and fp32 probs included.
+    # equal values (an exact zero may differ in sign), -0.0, large and tiny inputs and fp32
+    # probs included.
     width = experts.local_experts[0].linear_fc1.weight.shape[0]
     mlps = list(experts.local_experts)
     res["swiglu_applies"] = swiglu_in_place_applies(experts.config)
@@ -414,6 +415,23 @@ def _layout_case(case: Case, rank: int) -> dict:
             os.environ[FC1_CHUNK_ENV] = saved_chunk
     res["fc1_groups_equal"] = torch.equal(h_groups, h_grouped)
     res["fc1_groups_how"] = how_groups
+    # Frozen FC1 weights but probabilities that autograd records (a trainable router): the
+    # grouped FC1 runs, its activation through MLP.forward, and the gradient reaches probs.
+    fc1_params = [e.linear_fc1.weight for e in experts.local_experts]
+    for param in fc1_params:
+        param.requires_grad_(False)
+    try:
+        experts.fc1_impl = "grouped"
+        grad_probs = probs.clone().requires_grad_(True)
+        h_frozen = experts.forward_fc1(x.detach(), counts, grad_probs)
+        res["frozen_how"] = experts.last_fc1
+        h_frozen.sum().backward()
+        res["frozen_probs_grad"] = grad_probs.grad is not None and bool(
+            grad_probs.grad.abs().sum() > 0)
+        res["frozen_equal"] = torch.equal(h_frozen.detach(), h_grouped)
+    finally:
+        for param in fc1_params:
+            param.requires_grad_(True)
     experts.fc1_impl = "grouped"
     x.requires_grad_(True)
     experts.forward_fc1(x, counts, probs)
@@ -509,6 +527,8 @@ def _check_layout(res: dict) -> None:
     assert grouped == f"grouped FC1: {grouped_mm_name()}, weights view, SwiGLU in place", res
     assert res["swiglu_applies"] and res["swiglu_equal"] == [True, True], res
     assert res["fc1_groups_equal"], res
+    assert res["frozen_how"] == f"grouped FC1: {grouped_mm_name()}, weights view", res
+    assert res["frozen_probs_grad"] and res["frozen_equal"], res
     assert res["fc1_groups_how"] == (f"grouped FC1: {grouped_mm_name()}, weights view, "
                                      "4 expert groups, SwiGLU in place"), res
     assert auto.startswith("loop: fc1_impl='auto' takes the grouped GEMM on CUDA only"), res
