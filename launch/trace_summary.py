@@ -87,12 +87,12 @@ def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def api_totals(events: list[dict]) -> list[tuple[str, float, int, float]]:
-    """The CUDA API events (`API_CATS`) per name: (name, total us, count, longest us), by
+def totals_by_name(events: list[dict], cats) -> list[tuple[str, float, int, float]]:
+    """The events of categories `cats` per name: (name, total us, count, longest us), by
     total time, largest first."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     for e in events:
-        if e.get("cat") in API_CATS:
+        if e.get("cat") in cats:
             t = totals[e["name"]]
             dur = float(e["dur"])
             t[0] += dur
@@ -100,6 +100,11 @@ def api_totals(events: list[dict]) -> list[tuple[str, float, int, float]]:
             t[2] = max(t[2], dur)
     return sorted(((name, tot, int(n), longest) for name, (tot, n, longest) in totals.items()),
                   key=lambda r: -r[1])
+
+
+def api_totals(events: list[dict]) -> list[tuple[str, float, int, float]]:
+    """`totals_by_name` of the CUDA API calls (`API_CATS`)."""
+    return totals_by_name(events, API_CATS)
 
 
 def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
@@ -144,12 +149,8 @@ def summarize(path: str, gap_us: float = 30.0, top: int = 12) -> str:
                  in api_totals(events)[:top])
 
     lines.append("-- kernels by total time: total count name")
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in device:
-        totals[e["name"]][0] += float(e["dur"])
-        totals[e["name"]][1] += 1
-    for name, (tot, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {tot:8.0f} {n:4d}  {name[:90]}")
+    lines.extend(f"  {tot:8.0f} {n:4d}  {name[:90]}" for name, tot, n, _
+                 in totals_by_name(device, DEVICE_CATS)[:top])
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ from megatron_overlap.megatron.grouped_experts import (
     expert_weights,
     grouped_fc1_activation,
     grouped_mm_name,
-    stack_parameters_,
+    restack_experts_,
 )
 
 __all__ = [
@@ -114,21 +114,11 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
         self.fc1_stack_cache = StackedViewCache()  # read by grouped_fc1_activation
         self.fc2_stack_cache = StackedViewCache()
         self._fc1_check = None  # (the linear_fc1 modules, their structural reason)
-        self._stack()
-
-    def _stack(self) -> None:
-        for cache in (getattr(self, "fc1_stack_cache", None),
-                      getattr(self, "fc2_stack_cache", None)):
-            if cache is not None:
-                cache.clear()  # re-homed parameters: drop views of the old storage
-        for part in ("linear_fc1", "linear_fc2"):
-            params = [getattr(e, part).weight for e in self.local_experts]
-            if all(isinstance(p, torch.nn.Parameter) for p in params):
-                stack_parameters_(params)
+        restack_experts_(self)
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
-        self._stack()  # Module.to() moves each parameter on its own
+        restack_experts_(self)  # Module.to() moves each parameter on its own
         return module
 
     def forward(self, permuted_local_hidden_states: torch.Tensor,

@@ -75,6 +75,7 @@ import json
 import math
 import shlex
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -467,17 +468,13 @@ def settings_section(rows: list[dict]) -> str:
     """The runs' settings (`SETTING_FIELDS`) per benchmark with their row counts, and a
     warning for a benchmark whose rows mix settings (its tables then compare workloads
     measured under different settings)."""
-    combos: dict = {}
-    for row in rows:
-        key = (row["benchmark"],) + tuple(
-            "-" if row.get(f) is None else str(row.get(f)).lower() for f in SETTING_FIELDS)
-        combos[key] = combos.get(key, 0) + 1
+    combos = Counter((row["benchmark"],) + tuple(
+        "-" if row.get(f) is None else str(row.get(f)).lower() for f in SETTING_FIELDS)
+        for row in rows)
     lines = [list(key) + [str(n)] for key, n in sorted(combos.items())]
     text = _table(["benchmark", *SETTING_FIELDS, "rows"], lines)
-    per_benchmark: dict = {}
-    for key in combos:
-        per_benchmark[key[0]] = per_benchmark.get(key[0], 0) + 1
-    for benchmark in sorted(b for b, n in per_benchmark.items() if n > 1):
+    settings_per_benchmark = Counter(key[0] for key in combos)
+    for benchmark in sorted(b for b, n in settings_per_benchmark.items() if n > 1):
         text += (f"\n\n**Warning:** the {benchmark} rows mix settings: its tables compare "
                  "workloads measured under different settings.")
     return text

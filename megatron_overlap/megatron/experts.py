@@ -35,7 +35,7 @@ from megatron_overlap.megatron.grouped_experts import (
     expert_weights,
     grouped_fc1_activation,
     mlp_parts_replaced,
-    stack_parameters_,
+    restack_experts_,
 )
 
 
@@ -69,17 +69,10 @@ class GatherRSSequentialMLP(SequentialMLP):
 
     def stack_weights_(self) -> None:
         """Re-home the local experts' FC1 and FC2 weights into one storage each, in place
-        (`grouped_experts.stack_parameters_`; no copy when they are stacked already). Call it
+        (`grouped_experts.restack_experts_`; no copy when they are stacked already). Call it
         again after anything that re-points them, e.g. `load_state_dict(assign=True)`.
         Experts without weight parameters (`skip_weight_param_allocation`) are left alone."""
-        for cache in (getattr(self, "fc1_stack_cache", None),
-                      getattr(self, "fc2_stack_cache", None)):
-            if cache is not None:
-                cache.clear()  # re-homed parameters: drop views of the old storage
-        for name in ("linear_fc1", "linear_fc2"):
-            params = [getattr(e, name).weight for e in self.local_experts]
-            if all(isinstance(p, torch.nn.Parameter) for p in params):
-                stack_parameters_(params)
+        restack_experts_(self)
 
     def _apply(self, fn, recurse=True):
         # Module.to()/cuda()/half()/float() convert every parameter on its own, which would

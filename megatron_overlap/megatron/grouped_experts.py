@@ -47,6 +47,7 @@ __all__ = [
     "grouped_fc1_unsupported_reason",
     "grouped_mm_name",
     "mlp_parts_replaced",
+    "restack_experts_",
     "stack_parameters_",
     "stacked_view",
     "stacked_weights",
@@ -174,6 +175,22 @@ def expert_weights(experts: torch.nn.Module, part: str) -> list:
         w = params.get("weight") if isinstance(params, dict) else None
         out.append(w if w is not None else getattr(child, "weight"))
     return out
+
+
+def restack_experts_(experts: torch.nn.Module) -> None:
+    """Re-home the local experts' FC1 and FC2 weights into one storage each, in place
+    (`stack_parameters_`; no copy where they are stacked already), after dropping the
+    views that `experts.fc1_stack_cache` / `fc2_stack_cache` (`StackedViewCache`, where
+    present) keep of the old storage. Experts without weight parameters
+    (`skip_weight_param_allocation`) are left alone."""
+    for cache in (getattr(experts, "fc1_stack_cache", None),
+                  getattr(experts, "fc2_stack_cache", None)):
+        if cache is not None:
+            cache.clear()
+    for part in ("linear_fc1", "linear_fc2"):
+        params = expert_weights(experts, part)
+        if all(isinstance(p, torch.nn.Parameter) for p in params):
+            stack_parameters_(params)
 
 
 def _autograd_recording(tensors: Sequence[torch.Tensor]) -> bool:
