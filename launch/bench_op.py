@@ -253,11 +253,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
         results["ours"] = timed(lambda: gemm2_gatherrs(h, w2, meta, group=group, options=opts),
                                 args.warmup, args.iters)
-        from megatron_overlap.ops.triton_gemm2_gatherrs import (
-            _Call,
-            compiled_resources,
-            gemm_index_key,
-        )
+        from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, call_resources
         from megatron_overlap.resource import plan_gemm2_gatherrs
         from megatron_overlap.symm import get_workspace
 
@@ -268,10 +264,8 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms, hidden=hidden, ffn=ffn,
                                    elem_bytes=h.element_size(),
                                    recv_rows=int(maps[rank].sum()) * tp,
-                                   kernel=compiled_resources(
-                                       h.dtype, ffn, hidden,
-                                       index=gemm_index_key(tp, meta.topk,
-                                                            meta.routing_map.shape[1])))
+                                   kernel=call_resources(h.dtype, ffn, hidden, tp, meta.topk,
+                                                         meta.routing_map.shape[1]))
         ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
 
         def prepare(tile=None, call_plan=plan):

@@ -304,10 +304,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         me = self.ep_rank * self.tp_size + self.tp_rank  # rows of my tokens, x TP partials:
         recv_rows = int(self._counts[me, : self.num_experts].sum())
-        from megatron_overlap.ops.triton_gemm2_gatherrs import (
-            compiled_resources,
-            gemm_index_key,
-        )
+        from megatron_overlap.ops.triton_gemm2_gatherrs import call_resources
 
         with span("mo.plan"):
             self.plan = plan_gemm2_gatherrs(
@@ -315,10 +312,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 num_sms=self._num_sms, hidden=w2.shape[1],
                 ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                 recv_rows=recv_rows * self.tp_size,
-                kernel=compiled_resources(
-                    h_like.dtype, w2.shape[2], w2.shape[1],
-                    index=gemm_index_key(self.tp_size, self.config.moe_router_topk,
-                                         self.num_experts)))
+                kernel=call_resources(h_like.dtype, w2.shape[2], w2.shape[1], self.tp_size,
+                                      self.config.moe_router_topk, self.num_experts))
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         maps = None

@@ -159,8 +159,8 @@ def prepare_gemm2_gatherrs(
         return None
     from megatron_overlap.ops.triton_gemm2_gatherrs import (
         _Call,
+        call_resources,
         compiled_resources,
-        gemm_index_key,
     )
     from megatron_overlap.symm import get_workspace
 
@@ -172,10 +172,10 @@ def prepare_gemm2_gatherrs(
         plan = plan_gemm2_gatherrs(meta, plan_options, num_sms=num_sms, hidden=w2.shape[1],
                                    ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                                    kernel=compiled_resources(
-                                       h_like.dtype, w2.shape[2], w2.shape[1],
-                                       index=None if meta.routing_map is None else
-                                       gemm_index_key(meta.tp_size, meta.topk,
-                                                      meta.routing_map.shape[1])))
+                                       h_like.dtype, w2.shape[2], w2.shape[1])
+                                   if meta.routing_map is None else call_resources(
+                                       h_like.dtype, w2.shape[2], w2.shape[1], meta.tp_size,
+                                       meta.topk, meta.routing_map.shape[1]))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
     # plan.mode is the same on every rank (options, group-wide counts). An "auto" choice of

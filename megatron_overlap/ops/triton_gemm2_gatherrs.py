@@ -367,6 +367,14 @@ def compiled_resources(dtype: torch.dtype, ffn: int, hidden: int,
     return None
 
 
+def call_resources(dtype: torch.dtype, ffn: int, hidden: int, tp_size: int,
+                   topk: Optional[int], num_experts: int) -> Optional[KernelResources]:
+    """`compiled_resources` of the GEMM2 kernel as a call of this TP size, top-k and expert
+    count launches it (`gemm_index_key`): the plan's occupancy input."""
+    return compiled_resources(dtype, ffn, hidden,
+                              index=gemm_index_key(tp_size, topk, num_experts))
+
+
 def _record_resources(key, handle) -> None:
     if key not in _RESOURCES:
         try:

@@ -176,4 +176,6 @@ def test_compiled_kernel_resources_feed_the_plan():
     # another index specialisation of the same shape is another compiled kernel
     assert op.compiled_resources(torch.bfloat16, 777, 333, index=(1, 6, 64)) is None
     assert op.compiled_resources(torch.bfloat16, 777, 333) == want  # any specialisation
+    assert op.call_resources(torch.bfloat16, 777, 333, 1, 8, 128) == want  # as a call asks
+    assert op.call_resources(torch.bfloat16, 777, 333, 1, 6, 64) is None
     op._RESOURCES.pop(key)
