@@ -29,7 +29,7 @@ sends one entry per destination and local expert, `_tile_list_block` expands the
 comparison and debugging)."""
 
 FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
-"""The grouped FC1's largest output per group of experts, in MiB (`fc1_chunk_bytes`)."""
+"""The grouped FC1's largest output per chunk of rows, in MiB (`fc1_chunk_bytes`)."""
 
 SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
 """Environment variable of the resource solver: "cpp", "python" or unset (C++ when built;
@@ -64,8 +64,8 @@ FC1_CHUNK_MAX_MB = 2**30
 
 def fc1_chunk_bytes() -> int:
     """Largest FC1 output ([rows, I] in the activation dtype) one grouped GEMM produces; more
-    rows run in several groups of experts (peak memory, see `grouped_fc1_activation`).
-    512 MiB, or $MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes (a number > 0; smaller groups
+    rows run in several chunks of rows (peak memory, see `grouped_fc1_activation`).
+    512 MiB, or $MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes (a number > 0; smaller chunks
     lower the FC1's transient peak at the cost of more launches).
 
     Raises:

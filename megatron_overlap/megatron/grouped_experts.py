@@ -28,7 +28,9 @@ FFN width on this expert-TP rank, I = 2F for a gated linear unit (else F), L loc
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -355,7 +357,8 @@ def swiglu_in_place_applies(config) -> bool:
             and getattr(config, "glu_linear_offset", 0.0) == 0.0)
 
 
-def swiglu_probs_in_place(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def swiglu_probs_in_place(fc1: torch.Tensor, probs: torch.Tensor,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU and the router-probability scale of Megatron's unfused `MLP.forward`, with the
     same operations and roundings, computed in FC1's output.
 
@@ -373,15 +376,25 @@ def swiglu_probs_in_place(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tenso
         fc1: [..., 2F] FC1 output (overwritten; autograd must not record it).
         probs: [...] router probabilities (autograd must not record them either: `out=`
             has no gradient; `grouped_fc1_activation` then takes `MLP.forward`).
+        out: where to write the result ([..., F], fc1's dtype and device; e.g. a block of
+            rows of a larger output), or None for a new tensor.
 
     Returns:
-        [..., F] in fc1's dtype.
+        [..., F] in fc1's dtype: `out` when given.
+
+    Raises:
+        ValueError: `out` has another shape, dtype or device.
     """
     half = fc1.shape[-1] // 2
+    shape = (*fc1.shape[:-1], half)
+    if out is None:
+        out = torch.empty(shape, dtype=fc1.dtype, device=fc1.device)
+    elif out.shape != shape or out.dtype != fc1.dtype or out.device != fc1.device:
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
+                         f"{shape} {fc1.dtype} on {fc1.device} (fc1's rows, half its width)")
     x_glu, x_lin = fc1[..., :half], fc1[..., half:]
     F.silu(x_glu, inplace=True)
     x_glu.mul_(x_lin)
-    out = torch.empty((*fc1.shape[:-1], half), dtype=fc1.dtype, device=fc1.device)
     return torch.mul(x_glu, probs.unsqueeze(-1), out=out)
 
 
@@ -491,18 +504,36 @@ class StackedViewCache:
         return stack, how
 
 
-def expert_groups(counts: Sequence[int], row_bytes: int, budget: int):
-    """Consecutive experts in groups of at most `budget` bytes of output rows (an expert
-    with more forms a group alone): [(first expert, end expert, rows)], in order."""
-    groups, start = [], 0
-    while start < len(counts):
-        end, rows = start + 1, counts[start]
-        while end < len(counts) and (rows + counts[end]) * row_bytes <= budget:
-            rows += counts[end]
-            end += 1
-        groups.append((start, end, rows))
-        start = end
-    return groups
+def row_chunks(counts: Sequence[int], row_bytes: int, budget: int):
+    """The rows of all experts (grouped by expert, as `counts` says) in near-equal chunks of
+    consecutive rows, each at most `budget` bytes of output (at least one row a chunk).
+
+    Args:
+        counts: [L] rows per expert, >= 0.
+        row_bytes: output bytes of one row (> 0).
+        budget: the largest output of one chunk, in bytes.
+
+    Returns:
+        [(row0, row1, first expert, end expert, [rows of each expert in the chunk])], in row
+        order; an expert may span two chunks. No rows: one chunk of 0 rows over all experts
+        (what `expert_matmul` takes for an empty batch).
+    """
+    counts = [int(c) for c in counts]
+    total = sum(counts)
+    if total == 0:
+        return [(0, 0, 0, len(counts), counts)]
+    n = min(total, max(1, -(-total * row_bytes // max(budget, 1))))
+    step = -(-total // n)
+    ends = list(itertools.accumulate(counts))
+    starts = [e - c for e, c in zip(ends, counts)]
+    chunks = []
+    for row0 in range(0, total, step):
+        row1 = min(total, row0 + step)
+        first = bisect.bisect_right(ends, row0)   # the first expert ending after row0
+        end = bisect.bisect_left(starts, row1)    # experts that start before row1
+        chunk_counts = [min(ends[e], row1) - max(starts[e], row0) for e in range(first, end)]
+        chunks.append((row0, row1, first, end, chunk_counts))
+    return chunks
 
 
 def grouped_fc1_activation(
@@ -527,16 +558,19 @@ def grouped_fc1_activation(
         tokens_per_expert: [L] rows per local expert.
         probs: [N] router probability of each row.
 
-    Experts run in groups whose FC1 output stays under `fc1_chunk_bytes()` (512 MiB unless
-    $MEGATRON_OVERLAP_FC1_CHUNK_MB says otherwise). The transient of a group (its [rows, I]
-    FC1 output and the activation's intermediates: [rows, F] in place, up to 3 x [rows, F]
-    in Megatron's unfused `MLP.forward` with a GLU and probs) comes on top of the earlier
-    groups' outputs, and their concatenation holds [N, F] twice at the end.
+    The rows run in near-equal chunks of consecutive rows (`row_chunks`; an expert may
+    span two) whose FC1 output stays under `fc1_chunk_bytes()` (512 MiB unless
+    $MEGATRON_OVERLAP_FC1_CHUNK_MB says otherwise). With the SwiGLU in place, each chunk's
+    activations are written into their rows of the [N, F] output, allocated first: the
+    peak is [N, F] plus one chunk's [rows, I] FC1 output. Through `MLP.forward`, a chunk's
+    transient (its FC1 output and up to 3 x [rows, F] of Megatron's unfused GLU with probs)
+    comes on top of the earlier chunks' outputs, and their concatenation holds [N, F]
+    twice at the end.
 
     Returns:
         ([N, F] activations with probs applied, x's dtype; what ran the GEMM:
         "grouped FC1: <impl>" with impl from `expert_matmul`, plus ", weights view|stack",
-        ", <n> expert groups" when there were several and ", SwiGLU in place" where
+        ", <n> row chunks" when there were several and ", SwiGLU in place" where
         `swiglu_probs_in_place` ran).
 
     Raises:
@@ -547,30 +581,33 @@ def grouped_fc1_activation(
     cache = getattr(experts, "fc1_stack_cache", None)
     w1, how = cache.get(fc1_weights) if cache is not None else stacked_weights(fc1_weights)
     counts = _counts(tokens_per_expert, len(mlps), x.shape[0])
-    # Experts in groups whose FC1 output stays under fc1_chunk_bytes(): the [rows, I] FC1
-    # output of all experts at once would be a peak the per-expert loop never has.
-    groups = expert_groups(counts, w1.shape[1] * x.element_size(), fc1_chunk_bytes())
-    # The groups' outputs are concatenated at the end (2 x [N, F] then). Writing them into
-    # one [N, F] allocated up front holds all of h during every group's transient instead:
-    # a higher peak for up to ~5 groups (measured: Mixtral EP2 8192, 2 groups, +227 MiB).
+    # Rows in chunks whose FC1 output stays under fc1_chunk_bytes(): the [N, I] FC1 output
+    # of all rows at once would be a peak the per-expert loop never has.
+    chunks = row_chunks(counts, w1.shape[1] * x.element_size(), fc1_chunk_bytes())
     # (probs recorded by autograd, e.g. a trainable router with frozen experts: Megatron's
     # MLP.forward keeps their gradient, an out= product would refuse)
     in_place = (swiglu_in_place_applies(experts.config)
                 and not (torch.is_grad_enabled() and probs.requires_grad))
-    outs, impl, row0 = [], "none (no rows)", 0
-    for first, end, rows in groups:
-        fc1, impl = expert_matmul(x[row0: row0 + rows], w1[first:end], counts[first:end])
-        if in_place:
-            h = swiglu_probs_in_place(fc1, probs[row0: row0 + rows])
-        else:
+    impl = "none (no rows)"
+    if in_place:
+        # Each chunk's activations go straight into their rows of the [N, F] output: the
+        # peak is [N, F] + one chunk's FC1 output (no concatenation).
+        h = x.new_empty(x.shape[0], w1.shape[1] // 2)
+        for row0, row1, first, end, chunk_counts in chunks:
+            fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)
+            swiglu_probs_in_place(fc1, probs[row0:row1], out=h[row0:row1])
+            del fc1
+    else:
+        outs = []
+        for row0, row1, first, end, chunk_counts in chunks:
+            fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)
             with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
                 # not __call__: expert 0's hooks stay quiet
-                h, bias = mlps[0].forward(fc1, probs[row0: row0 + rows])
+                out, bias = mlps[0].forward(fc1, probs[row0:row1])
             assert bias is None
-        del fc1
-        outs.append(h)
-        row0 += rows
-    h = outs[0] if len(outs) == 1 else torch.cat(outs)
-    split = f", {len(groups)} expert groups" if len(groups) > 1 else ""
+            del fc1
+            outs.append(out)
+        h = outs[0] if len(outs) == 1 else torch.cat(outs)
+    split = f", {len(chunks)} row chunks" if len(chunks) > 1 else ""
     act = ", SwiGLU in place" if in_place else ""
     return h, f"grouped FC1: {impl}, weights {how}{split}{act}"
