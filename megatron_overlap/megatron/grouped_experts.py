@@ -536,6 +536,30 @@ def row_chunks(counts: Sequence[int], row_bytes: int, budget: int):
     return chunks
 
 
+def swiglu_fc1_chunks(x: torch.Tensor, w1: torch.Tensor, chunks, probs: torch.Tensor
+                      ) -> tuple[torch.Tensor, str]:
+    """FC1 of every chunk of rows (`row_chunks`) as one grouped GEMM each, then
+    `swiglu_probs_in_place` into the chunk's rows of one [N, F] output allocated first:
+    the peak is [N, F] plus one chunk's [rows, 2F] FC1 output (no concatenation).
+
+    Args:
+        x: [N, H] rows grouped by local expert.
+        w1: [L, 2F, H] stacked FC1 weights (x's dtype and device).
+        chunks: `row_chunks(counts, 2F * x.element_size(), budget)` of the rows.
+        probs: [N] router probability of each row (autograd must not record it).
+
+    Returns:
+        ([N, F] in x's dtype, the last chunk's `expert_matmul` impl).
+    """
+    h = x.new_empty(x.shape[0], w1.shape[1] // 2)
+    impl = "none (no rows)"
+    for row0, row1, first, end, chunk_counts in chunks:
+        fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)
+        swiglu_probs_in_place(fc1, probs[row0:row1], out=h[row0:row1])
+        del fc1
+    return h, impl
+
+
 def grouped_fc1_activation(
     experts: torch.nn.Module,
     x: torch.Tensor,
@@ -590,13 +614,7 @@ def grouped_fc1_activation(
                 and not (torch.is_grad_enabled() and probs.requires_grad))
     impl = "none (no rows)"
     if in_place:
-        # Each chunk's activations go straight into their rows of the [N, F] output: the
-        # peak is [N, F] + one chunk's FC1 output (no concatenation).
-        h = x.new_empty(x.shape[0], w1.shape[1] // 2)
-        for row0, row1, first, end, chunk_counts in chunks:
-            fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)
-            swiglu_probs_in_place(fc1, probs[row0:row1], out=h[row0:row1])
-            del fc1
+        h, impl = swiglu_fc1_chunks(x, w1, chunks, probs)
     else:
         outs = []
         for row0, row1, first, end, chunk_counts in chunks:

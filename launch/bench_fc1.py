@@ -1,0 +1,202 @@
+"""The grouped FC1 + SwiGLU of the flag-on experts in chunks of rows: time and peak memory of
+each chunk size, side by side in one run (one GPU; no process group).
+
+    source scripts/device_setup.sh && python launch/bench_fc1.py --out $OUT/bench_fc1.jsonl
+
+What runs is `megatron_overlap.megatron.grouped_experts.swiglu_fc1_chunks`, the code path of
+`grouped_fc1_activation` for Megatron's unfused SwiGLU (flag on and the `off-grouped`
+baseline alike): per chunk of rows (`row_chunks`) one torch grouped GEMM and the in-place
+SwiGLU x probs into the chunk's rows of one [N, F] output. The rows are those one EP rank's
+experts receive in a balanced layer: tokens per rank x top-k rows (all EP ranks' tokens
+routed uniformly), split evenly over the num_moe_experts / EP local experts.
+
+Per (model, tokens) the chunk sizes run interleaved (one call of each per round, CUDA events
+around each call, --iters rounds after --warmup), so a slow spell of the machine hits every
+size alike; printed and in the rows: median (p20 / p80) ms, its ratio to one chunk ("all":
+no limit), and the peak memory the call allocates beyond its inputs (`torch.cuda` peak
+statistics, one more call per size); each size's output is checked against the first size's
+(`agree`; exit status 1 when one disagrees). On the CPU (a smoke run) the times are
+wall-clock and the memory is not measured.
+
+Row schema (JSON lines, `benchmark: "fc1"`): model, tokens_per_rank, ep, rows,
+local_experts, hidden_size, moe_ffn_hidden_size, dtype, chunk_mb (null for "all"), chunks,
+ms_p50, ms_p20, ms_p80, agree, vs_one_chunk (ms_p50 / one chunk's, or the first size's without
+"all"), peak_extra_bytes (null on CPU),
+iters, warmup, device, gpu, torch, git_sha, command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from megatron_overlap.bench.cli import add_timing_args, check_launch_inputs, positive_int
+from megatron_overlap.megatron.grouped_experts import row_chunks, swiglu_fc1_chunks
+from megatron_overlap.models import available_models, load_model_shape
+
+
+AGREE_REL_TOL = {torch.bfloat16: 2**-7, torch.float32: 1e-5}
+"""max|h - h_first| / max|h_first| each chunk size must stay under (`agree`)."""
+
+
+def chunk_setting(text: str) -> float | None:
+    """"all" (None: one chunk) or a number of MiB > 0."""
+    if text == "all":
+        return None
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not 0 < mib < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'all' or a number of MiB > 0")
+    return mib
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+",
+                   default=(["phi-3.5-moe", "mixtral-8x7b", "qwen3-30b-a3b",
+                             "qwen1.5-moe-a2.7b", "deepseek-v2-lite"] if cuda else ["tiny"]),
+                   help=f"names in configs/models ({', '.join(available_models())}) or "
+                        "YAML paths (default: the five suite models on GPU, tiny on CPU)")
+    p.add_argument("--tokens", nargs="+", type=positive_int,
+                   default=[8192, 32768] if cuda else [64],
+                   help="tokens per rank (default 8192 32768 on GPU, 64 on CPU)")
+    p.add_argument("--ep", type=positive_int, default=2,
+                   help="expert-parallel size: num_moe_experts / EP local experts (default 2)")
+    p.add_argument("--chunk-mb", nargs="+", type=chunk_setting,
+                   default=[None, 512.0, 256.0, 128.0, 64.0] if cuda else [None, 0.01],
+                   help="chunk sizes: MiB of FC1 output per chunk, or 'all' for one chunk "
+                        "(default all 512 256 128 64 on GPU, all 0.01 on CPU)")
+    add_timing_args(p, warmup=3 if cuda else 1, iters=20 if cuda else 2, per="per chunk size")
+    p.add_argument("--out", default="results/bench_fc1.jsonl",
+                   help="JSONL file rows are appended to ('' = none)")
+    args = p.parse_args(argv)
+    try:
+        check_launch_inputs(args.out)
+        shapes = [load_model_shape(m) for m in args.model]
+    except (ValueError, FileNotFoundError) as err:
+        p.error(str(err))
+    for shape in shapes:
+        if shape.num_moe_experts % args.ep:
+            p.error(f"--ep {args.ep} does not divide {shape.name}'s "
+                    f"{shape.num_moe_experts} experts")
+    args.shapes = shapes
+    return args
+
+
+def _git_sha() -> str | None:
+    sha = os.environ.get("MO_GIT_SHA")
+    if sha:
+        return sha
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    rows_out = []
+    for shape in args.shapes:
+        local = shape.num_moe_experts // args.ep
+        hidden, ffn = shape.hidden_size, shape.moe_ffn_hidden_size
+        w1 = (torch.randn(local, 2 * ffn, hidden, generator=gen, device=device)
+              * hidden**-0.5).to(dtype)
+        for tokens in args.tokens:
+            n = tokens * shape.moe_router_topk
+            counts = [n // local + (e < n % local) for e in range(local)]
+            x = torch.randn(n, hidden, generator=gen, device=device).to(dtype)
+            probs = torch.rand(n, generator=gen, device=device)
+            row_bytes = 2 * ffn * x.element_size()
+            plans = [(mib, row_chunks(counts, row_bytes,
+                                      2**62 if mib is None else max(1, int(mib * 2**20))))
+                     for mib in args.chunk_mb]
+            times = {i: [] for i in range(len(plans))}
+            for it in range(args.warmup + args.iters):
+                for i, (_, chunks) in enumerate(plans):
+                    if cuda:
+                        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                        start.record()
+                        swiglu_fc1_chunks(x, w1, chunks, probs)
+                        end.record()
+                        end.synchronize()
+                        ms = start.elapsed_time(end)
+                    else:
+                        t0 = time.perf_counter()
+                        swiglu_fc1_chunks(x, w1, chunks, probs)
+                        ms = (time.perf_counter() - t0) * 1e3
+                    if it >= args.warmup:
+                        times[i].append(ms)
+            # ratios against one chunk ("all"), or the first size when "all" is not asked
+            base = statistics.median(times[next(
+                (i for i, (mib, _) in enumerate(plans) if mib is None), 0)])
+            reference, _ = swiglu_fc1_chunks(x, w1, plans[0][1], probs)
+            for i, (mib, chunks) in enumerate(plans):
+                peak = None
+                if cuda:
+                    torch.cuda.synchronize()
+                    before = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    h, _ = swiglu_fc1_chunks(x, w1, chunks, probs)
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() - before
+                else:
+                    h, _ = swiglu_fc1_chunks(x, w1, chunks, probs)
+                # the same values as the first size's (within the GEMM's rounding: other
+                # shapes may take other kernels)
+                scale = reference.abs().max().clamp_min(1e-30)
+                agree = bool(((h - reference).abs().max() / scale) <= AGREE_REL_TOL[dtype])
+                del h
+                q = statistics.quantiles(times[i], n=5) if len(times[i]) > 1 else times[i] * 4
+                p50 = statistics.median(times[i])
+                row = {
+                    "benchmark": "fc1", "model": shape.name, "tokens_per_rank": tokens,
+                    "ep": args.ep, "rows": n, "local_experts": local, "hidden_size": hidden,
+                    "moe_ffn_hidden_size": ffn, "dtype": str(dtype).replace("torch.", ""),
+                    "chunk_mb": mib, "chunks": len(chunks), "ms_p50": p50, "ms_p20": q[0],
+                    "ms_p80": q[3], "vs_one_chunk": p50 / base if base > 0 else None,
+                    "peak_extra_bytes": peak, "agree": agree, "iters": args.iters, "warmup": args.warmup,
+                    "device": device.type,
+                    "gpu": torch.cuda.get_device_name() if cuda else None,
+                    "torch": torch.__version__, "git_sha": _git_sha(),
+                    "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                }
+                rows_out.append(row)
+                peak_txt = f"{peak / 2**20:8.0f} MiB" if peak is not None else "       -"
+                print(f"fc1 {shape.name:18s} tokens {tokens:6d} rows {n:7d} chunk "
+                      f"{'all' if mib is None else f'{mib:g} MiB':>9s} x{len(chunks):3d}: "
+                      f"{p50:8.3f} ms (p20 {q[0]:.3f} p80 {q[3]:.3f}) "
+                      f"{p50 / base if base > 0 else float('nan'):.3f}x one chunk, "
+                      f"peak extra {peak_txt}{'' if agree else ', DISAGREES'}",
+                      flush=True)
+            del x, probs
+        del w1
+    bad = [r for r in rows_out if not r["agree"]]
+    for r in bad:
+        print(f"fc1 {r['model']} tokens {r['tokens_per_rank']} chunk {r['chunk_mb']}: "
+              "disagrees with the first chunk size", file=sys.stderr)
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows_out:
+                f.write(json.dumps(row) + "\n")
+        print(f"rows appended to {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""launch/bench_fc1.py on the CPU: rows, chunk counts, the agreement check, bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("bench_fc1", ROOT / "launch" / "bench_fc1.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_fc1_rows(tmp_path, capsys):
+    out = tmp_path / "sub" / "fc1.jsonl"
+    assert _module().main(["--model", "tiny", "--tokens", "48", "--chunk-mb", "all", "0.004",
+                           "--iters", "2", "--warmup", "0", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["chunk_mb"] for r in rows] == [None, 0.004], rows
+    one, split = rows
+    # tiny: 4 local experts at EP 2, 96 rows of 2 x 32 fp32 FC1 outputs (256 B a row):
+    # 0.004 MiB = 16 rows a chunk
+    assert one["rows"] == split["rows"] == 96 and one["local_experts"] == 4, rows
+    assert one["chunks"] == 1 and split["chunks"] == 6, rows
+    assert one["vs_one_chunk"] == 1.0 and split["agree"] and one["agree"], rows
+    assert all(r["peak_extra_bytes"] is None and r["ms_p50"] > 0 for r in rows), rows
+    assert "0.004 MiB x  6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunk-mb", "0"], "expected 'all' or a number of MiB > 0"),
+    (["--chunk-mb", "inf"], "expected 'all' or a number of MiB > 0"),
+    (["--model", "mixtral-8x7b", "--ep", "3"], "does not divide mixtral-8x7b's 8 experts"),
+    (["--model", "no-such-model"], "no-such-model"),
+])
+def test_bench_fc1_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        _module().main(argv + ["--out", ""])
+    assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_fc1_exits_1_when_a_chunk_size_disagrees(tmp_path, capsys):
+    mod = _module()
+    real = mod.swiglu_fc1_chunks
+
+    def broken(x, w1, chunks, probs):  # wrong values whenever the rows run in chunks
+        h, impl = real(x, w1, chunks, probs)
+        return (h + 1.0 if len(chunks) > 1 else h), impl
+
+    mod.swiglu_fc1_chunks = broken
+    out = tmp_path / "fc1.jsonl"
+    assert mod.main(["--tokens", "48", "--chunk-mb", "all", "0.004", "--iters", "1",
+                     "--warmup", "0", "--out", str(out)]) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["agree"] for r in rows] == [True, False], rows
+    assert "disagrees with the first chunk size" in capsys.readouterr().err
