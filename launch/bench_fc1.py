@@ -1,28 +1,32 @@
-"""The grouped FC1 + SwiGLU of the flag-on experts in chunks of rows: time and peak memory of
-each chunk size, side by side in one run (one GPU; no process group).
+"""The grouped FC1 + SwiGLU of the flag-on experts, whole or in chunks of rows: time and peak
+memory of each way, side by side in one run (one GPU; no process group).
 
     source scripts/device_setup.sh && python launch/bench_fc1.py --out $OUT/bench_fc1.jsonl
 
-What runs is `megatron_overlap.megatron.grouped_experts.swiglu_fc1_chunks`, the code path of
-`grouped_fc1_activation` for Megatron's unfused SwiGLU (flag on and the `off-grouped`
-baseline alike): per chunk of rows (`row_chunks`) one torch grouped GEMM and the in-place
-SwiGLU x probs into the chunk's rows of one [N, F] output. The rows are those one EP rank's
-experts receive in a balanced layer: tokens per rank x top-k rows (all EP ranks' tokens
-routed uniformly), split evenly over the num_moe_experts / EP local experts.
+Two ways, both the code of `megatron_overlap.megatron.grouped_experts` for Megatron's
+unfused SwiGLU (flag on and the `off-grouped` baseline run the same FC1):
+  rows   `swiglu_fc1_chunks`: per chunk of rows (`row_chunks`) one torch grouped GEMM of
+         FC1's whole [rows, 2F] output, then the in-place SwiGLU x probs into the chunk's
+         rows of one [N, F] output;
+  split  `swiglu_fc1_split`: the gate half's GEMM for all rows straight into the [N, F]
+         output, the linear half's GEMM in chunks of [rows, F], each chunk's SwiGLU x probs
+         in place.
+The rows are those one EP rank's experts receive in a balanced layer: tokens per rank x
+top-k (all EP ranks' tokens routed uniformly), split evenly over the num_moe_experts / EP
+local experts.
 
-Per (model, tokens) the chunk sizes run interleaved (one call of each per round, CUDA events
+Per (model, tokens) the settings run interleaved (one call of each per round, CUDA events
 around each call, --iters rounds after --warmup), so a slow spell of the machine hits every
-size alike; printed and in the rows: median (p20 / p80) ms, its ratio to one chunk ("all":
-no limit), and the peak memory the call allocates beyond its inputs (`torch.cuda` peak
-statistics, one more call per size); each size's output is checked against the first size's
-(`agree`; exit status 1 when one disagrees). On the CPU (a smoke run) the times are
-wall-clock and the memory is not measured.
+setting alike; printed and in the rows: median (p20 / p80) ms, its ratio to the first
+setting's, and the peak memory the call allocates beyond its inputs (`torch.cuda` peak
+statistics, one more call per setting); each setting's output is checked against the first
+setting's (`agree`, bf16 tolerance; exit status 1 when one disagrees). On the CPU (a smoke
+run) the times are wall-clock and the memory is not measured.
 
 Row schema (JSON lines, `benchmark: "fc1"`): model, tokens_per_rank, ep, rows,
-local_experts, hidden_size, moe_ffn_hidden_size, dtype, chunk_mb (null for "all"), chunks,
-ms_p50, ms_p20, ms_p80, agree, vs_one_chunk (ms_p50 / one chunk's, or the first size's without
-"all"), peak_extra_bytes (null on CPU),
-iters, warmup, device, gpu, torch, git_sha, command.
+local_experts, hidden_size, moe_ffn_hidden_size, dtype, mode ("rows" | "split"), chunk_mb
+(null: one chunk), chunks, ms_p50, ms_p20, ms_p80, vs_first (ms_p50 / the first setting's),
+agree, peak_extra_bytes (null on CPU), iters, warmup, device, gpu, torch, git_sha, command.
 """
 
 from __future__ import annotations
@@ -38,25 +42,35 @@ import time
 import torch
 
 from megatron_overlap.bench.cli import add_timing_args, check_launch_inputs, positive_int
-from megatron_overlap.megatron.grouped_experts import row_chunks, swiglu_fc1_chunks
+from megatron_overlap.megatron.grouped_experts import (
+    row_chunks,
+    swiglu_fc1_chunks,
+    swiglu_fc1_split,
+)
 from megatron_overlap.models import available_models, load_model_shape
 
 
 AGREE_REL_TOL = {torch.bfloat16: 2**-7, torch.float32: 1e-5}
-"""max|h - h_first| / max|h_first| each chunk size must stay under (`agree`)."""
+"""max|h - h_first| / max|h_first| each setting must stay under (`agree`)."""
 
 
-def chunk_setting(text: str) -> float | None:
-    """"all" (None: one chunk) or a number of MiB > 0."""
-    if text == "all":
-        return None
+def chunk_setting(text: str) -> tuple[str, float | None]:
+    """"[rows:|split:]SIZE" -> (mode, MiB or None for "all": one chunk)."""
+    mode, _, size = text.rpartition(":")
+    mode = mode or "rows"
+    if mode not in ("rows", "split"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the mode before ':' must be 'rows' or "
+                                         "'split'")
+    if size == "all":
+        return mode, None
     try:
-        mib = float(text)
+        mib = float(size)
     except ValueError:
         mib = float("nan")
     if not 0 < mib < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 'all' or a number of MiB > 0")
-    return mib
+        raise argparse.ArgumentTypeError(f"{text!r}: expected [rows:|split:] then 'all' or a "
+                                         "number of MiB > 0")
+    return mode, mib
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,10 +88,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ep", type=positive_int, default=2,
                    help="expert-parallel size: num_moe_experts / EP local experts (default 2)")
     p.add_argument("--chunk-mb", nargs="+", type=chunk_setting,
-                   default=[None, 512.0, 256.0, 128.0, 64.0] if cuda else [None, 0.01],
-                   help="chunk sizes: MiB of FC1 output per chunk, or 'all' for one chunk "
-                        "(default all 512 256 128 64 on GPU, all 0.01 on CPU)")
-    add_timing_args(p, warmup=3 if cuda else 1, iters=20 if cuda else 2, per="per chunk size")
+                   default=[chunk_setting(t) for t in (
+                       ("all", "512", "128", "split:all", "split:256", "split:128",
+                        "split:64") if cuda else ("all", "0.01", "split:0.005"))],
+                   help="what runs, each [MODE:]SIZE: MODE rows (default; "
+                        "swiglu_fc1_chunks: FC1's whole [rows, 2F] output in chunks of SIZE "
+                        "MiB) or split (swiglu_fc1_split: the gate half for all rows, the "
+                        "linear half in chunks of SIZE MiB of [rows, F]); SIZE a number of "
+                        "MiB or 'all' (one chunk). Default: all 512 128 split:all split:256 "
+                        "split:128 split:64 on GPU, all 0.01 split:0.005 on CPU; ratios "
+                        "against the first")
+    add_timing_args(p, warmup=3 if cuda else 1, iters=20 if cuda else 2, per="per setting")
     p.add_argument("--out", default="results/bench_fc1.jsonl",
                    help="JSONL file rows are appended to ('' = none)")
     args = p.parse_args(argv)
@@ -92,6 +113,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                     f"{shape.num_moe_experts} experts")
     args.shapes = shapes
     return args
+
+
+def _budget(mib: float | None) -> int:
+    return 2**62 if mib is None else max(1, int(mib * 2**20))
+
+
+def _runner(mode: str, mib: float | None, x, w1, counts, probs):
+    """A call of the FC1 the way `mode` computes it, returning its [N, F] output."""
+    if mode == "split":
+        return lambda: swiglu_fc1_split(x, w1, counts, probs, _budget(mib))[0]
+    chunks = row_chunks(counts, w1.shape[1] * x.element_size(), _budget(mib))
+    return lambda: swiglu_fc1_chunks(x, w1, chunks, probs)[0]
 
 
 def _git_sha() -> str | None:
@@ -122,42 +155,45 @@ def main(argv=None) -> int:
             counts = [n // local + (e < n % local) for e in range(local)]
             x = torch.randn(n, hidden, generator=gen, device=device).to(dtype)
             probs = torch.rand(n, generator=gen, device=device)
-            row_bytes = 2 * ffn * x.element_size()
-            plans = [(mib, row_chunks(counts, row_bytes,
-                                      2**62 if mib is None else max(1, int(mib * 2**20))))
-                     for mib in args.chunk_mb]
+            half_bytes = ffn * x.element_size()
+
+            def chunk_count(mode, mib):
+                return len(row_chunks(counts, half_bytes * (1 if mode == "split" else 2),
+                                      _budget(mib)))
+
+            plans = [(mode, mib, _runner(mode, mib, x, w1, counts, probs))
+                     for mode, mib in args.chunk_mb]
             times = {i: [] for i in range(len(plans))}
             for it in range(args.warmup + args.iters):
-                for i, (_, chunks) in enumerate(plans):
+                for i, (_, _, run) in enumerate(plans):
                     if cuda:
                         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                         start.record()
-                        swiglu_fc1_chunks(x, w1, chunks, probs)
+                        run()
                         end.record()
                         end.synchronize()
                         ms = start.elapsed_time(end)
                     else:
                         t0 = time.perf_counter()
-                        swiglu_fc1_chunks(x, w1, chunks, probs)
+                        run()
                         ms = (time.perf_counter() - t0) * 1e3
                     if it >= args.warmup:
                         times[i].append(ms)
-            # ratios against one chunk ("all"), or the first size when "all" is not asked
-            base = statistics.median(times[next(
-                (i for i, (mib, _) in enumerate(plans) if mib is None), 0)])
-            reference, _ = swiglu_fc1_chunks(x, w1, plans[0][1], probs)
-            for i, (mib, chunks) in enumerate(plans):
+            base = statistics.median(times[0])  # ratios against the first setting
+            reference = plans[0][2]()
+            for i, (mode, mib, run) in enumerate(plans):
+                chunks = chunk_count(mode, mib)
                 peak = None
                 if cuda:
                     torch.cuda.synchronize()
                     before = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-                    h, _ = swiglu_fc1_chunks(x, w1, chunks, probs)
+                    h = run()
                     torch.cuda.synchronize()
                     peak = torch.cuda.max_memory_allocated() - before
                 else:
-                    h, _ = swiglu_fc1_chunks(x, w1, chunks, probs)
-                # the same values as the first size's (within the GEMM's rounding: other
+                    h = run()
+                # the same values as the first setting's (within the GEMM's rounding: other
                 # shapes may take other kernels)
                 scale = reference.abs().max().clamp_min(1e-30)
                 agree = bool(((h - reference).abs().max() / scale) <= AGREE_REL_TOL[dtype])
@@ -168,8 +204,8 @@ def main(argv=None) -> int:
                     "benchmark": "fc1", "model": shape.name, "tokens_per_rank": tokens,
                     "ep": args.ep, "rows": n, "local_experts": local, "hidden_size": hidden,
                     "moe_ffn_hidden_size": ffn, "dtype": str(dtype).replace("torch.", ""),
-                    "chunk_mb": mib, "chunks": len(chunks), "ms_p50": p50, "ms_p20": q[0],
-                    "ms_p80": q[3], "vs_one_chunk": p50 / base if base > 0 else None,
+                    "mode": mode, "chunk_mb": mib, "chunks": chunks, "ms_p50": p50, "ms_p20": q[0],
+                    "ms_p80": q[3], "vs_first": p50 / base if base > 0 else None,
                     "peak_extra_bytes": peak, "agree": agree, "iters": args.iters, "warmup": args.warmup,
                     "device": device.type,
                     "gpu": torch.cuda.get_device_name() if cuda else None,
@@ -178,18 +214,19 @@ def main(argv=None) -> int:
                 }
                 rows_out.append(row)
                 peak_txt = f"{peak / 2**20:8.0f} MiB" if peak is not None else "       -"
-                print(f"fc1 {shape.name:18s} tokens {tokens:6d} rows {n:7d} chunk "
-                      f"{'all' if mib is None else f'{mib:g} MiB':>9s} x{len(chunks):3d}: "
+                size = "all" if mib is None else f"{mib:g} MiB"
+                print(f"fc1 {shape.name:18s} tokens {tokens:6d} rows {n:7d} {mode:5s} "
+                      f"{size:>9s} x{chunks:3d}: "
                       f"{p50:8.3f} ms (p20 {q[0]:.3f} p80 {q[3]:.3f}) "
-                      f"{p50 / base if base > 0 else float('nan'):.3f}x one chunk, "
+                      f"{p50 / base if base > 0 else float('nan'):.3f}x the first, "
                       f"peak extra {peak_txt}{'' if agree else ', DISAGREES'}",
                       flush=True)
-            del x, probs
+            del x, probs, plans, reference
         del w1
     bad = [r for r in rows_out if not r["agree"]]
     for r in bad:
-        print(f"fc1 {r['model']} tokens {r['tokens_per_rank']} chunk {r['chunk_mb']}: "
-              "disagrees with the first chunk size", file=sys.stderr)
+        print(f"fc1 {r['model']} tokens {r['tokens_per_rank']} {r['mode']} "
+              f"{r['chunk_mb']}: disagrees with the first setting", file=sys.stderr)
     if args.out:
         with open(args.out, "a") as f:
             for row in rows_out:

@@ -29,7 +29,7 @@ sends one entry per destination and local expert, `_tile_list_block` expands the
 comparison and debugging)."""
 
 FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
-"""The grouped FC1's largest output per chunk of rows, in MiB (`fc1_chunk_bytes`)."""
+"""The grouped FC1's largest GEMM output per chunk of rows, in MiB (`fc1_chunk_bytes`)."""
 
 SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
 """Environment variable of the resource solver: "cpp", "python" or unset (C++ when built;
@@ -63,10 +63,12 @@ FC1_CHUNK_MAX_MB = 2**30
 
 
 def fc1_chunk_bytes() -> int:
-    """Largest FC1 output ([rows, I] in the activation dtype) one grouped GEMM produces; more
-    rows run in several chunks of rows (peak memory, see `grouped_fc1_activation`).
-    512 MiB, or $MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes (a number > 0; smaller chunks
-    lower the FC1's transient peak at the cost of more launches).
+    """Largest FC1 output one grouped GEMM of the grouped FC1 produces, in bytes: of FC1's
+    linear half ([rows, F]) for Megatron's unfused SwiGLU (`swiglu_fc1_split`), of the whole
+    [rows, I] otherwise; more rows run in several chunks of rows (peak memory, see
+    `grouped_fc1_activation`). 128 MiB, or $MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes (a
+    number > 0; smaller chunks lower the FC1's transient peak at the cost of more, smaller
+    GEMMs: measured with launch/bench_fc1.py, docs/perf_notes.md v4.9).
 
     Raises:
         ValueError: the variable is set to something other than a number in
@@ -74,7 +76,7 @@ def fc1_chunk_bytes() -> int:
     """
     raw = os.environ.get(FC1_CHUNK_ENV, "")
     if not raw:
-        return 512 * 2**20
+        return 128 * 2**20
     try:
         mib = float(raw)
     except ValueError:

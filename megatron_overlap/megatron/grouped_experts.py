@@ -392,7 +392,13 @@ def swiglu_probs_in_place(fc1: torch.Tensor, probs: torch.Tensor,
     elif out.shape != shape or out.dtype != fc1.dtype or out.device != fc1.device:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
                          f"{shape} {fc1.dtype} on {fc1.device} (fc1's rows, half its width)")
-    x_glu, x_lin = fc1[..., :half], fc1[..., half:]
+    return _swiglu_probs_(fc1[..., :half], fc1[..., half:], probs, out)
+
+
+def _swiglu_probs_(x_glu: torch.Tensor, x_lin: torch.Tensor, probs: torch.Tensor,
+                   out: torch.Tensor) -> torch.Tensor:
+    """out = silu(x_glu) * x_lin * probs[..., None] with Megatron's roundings; x_glu is
+    overwritten, out may be x_glu itself."""
     F.silu(x_glu, inplace=True)
     x_glu.mul_(x_lin)
     return torch.mul(x_glu, probs.unsqueeze(-1), out=out)
@@ -540,7 +546,9 @@ def swiglu_fc1_chunks(x: torch.Tensor, w1: torch.Tensor, chunks, probs: torch.Te
                       ) -> tuple[torch.Tensor, str]:
     """FC1 of every chunk of rows (`row_chunks`) as one grouped GEMM each, then
     `swiglu_probs_in_place` into the chunk's rows of one [N, F] output allocated first:
-    the peak is [N, F] plus one chunk's [rows, 2F] FC1 output (no concatenation).
+    the peak is [N, F] plus one chunk's [rows, 2F] FC1 output (no concatenation). The
+    flag-on experts run `swiglu_fc1_split` instead (the same peak for a budget of half the
+    bytes, and only half the FLOPs in chunks; launch/bench_fc1.py compares the two).
 
     Args:
         x: [N, H] rows grouped by local expert.
@@ -560,21 +568,61 @@ def swiglu_fc1_chunks(x: torch.Tensor, w1: torch.Tensor, chunks, probs: torch.Te
     return h, impl
 
 
+def swiglu_fc1_split(x: torch.Tensor, w1: torch.Tensor, counts: Sequence[int],
+                     probs: torch.Tensor, budget: int) -> tuple[torch.Tensor, str, int]:
+    """FC1 + SwiGLU x probs with FC1's two halves as separate grouped GEMMs: the gate half
+    (`w1[:, :F]`, what Megatron's `chunk(fc1, 2)` calls x_glu) for all rows at once, straight
+    into the [N, F] output; then the linear half (`w1[:, F:]`) in chunks of rows
+    (`row_chunks`, at most `budget` bytes of [rows, F] each), each chunk's SwiGLU and
+    probability scale computed in place in the output's rows (`swiglu_probs_in_place`'s
+    operations and roundings). Peak: [N, F] plus one chunk's [rows, F]; only the linear
+    half's GEMM runs in chunks.
+
+    Args:
+        x: [N, H] rows grouped by local expert.
+        w1: [L, 2F, H] stacked FC1 weights (x's dtype and device).
+        counts: [L] rows per local expert (sum N).
+        probs: [N] router probability of each row (autograd must not record it).
+        budget: the largest [rows, F] chunk of the linear half, in bytes.
+
+    Returns:
+        ([N, F] in x's dtype, the last `expert_matmul` impl, the number of chunks).
+    """
+    half = w1.shape[1] // 2
+    h, impl = expert_matmul(x, w1[:, :half], counts)
+    chunks = row_chunks(counts, half * x.element_size(), budget)
+    for row0, row1, first, end, chunk_counts in chunks:
+        x_lin, impl = expert_matmul(x[row0:row1], w1[first:end, half:], chunk_counts)
+        rows = h[row0:row1]
+        _swiglu_probs_(rows, x_lin, probs[row0:row1], rows)
+        del x_lin
+    return h, impl, len(chunks)
+
+
 def grouped_fc1_activation(
     experts: torch.nn.Module,
     x: torch.Tensor,
     tokens_per_expert: torch.Tensor | Sequence[int],
     probs: torch.Tensor,
 ) -> tuple[torch.Tensor, str]:
-    """FC1 of all local experts as one grouped GEMM, then Megatron's activation and probs.
+    """FC1 of all local experts as grouped GEMMs, then Megatron's activation and probs.
 
-    Equals `SequentialMLP.forward` stopped before FC2 (within the GEMM's rounding: one
-    grouped GEMM instead of L matmuls, both accumulating in fp32), because everything after
-    FC1 in `MLP.forward` is row-wise: the activation (GLU chunks the last dim) and the
-    per-row probability scale run once over all N rows: for SwiGLU through Megatron's
-    unfused torch ops in `swiglu_probs_in_place` (the same values, less memory and traffic;
-    `swiglu_in_place_applies`), otherwise through expert 0's own `MLP.forward` with FC1
-    and FC2 passed through (`mlp_parts_replaced`).
+    Equals `SequentialMLP.forward` stopped before FC2 (within the GEMM's rounding: grouped
+    GEMMs instead of L matmuls, both accumulating in fp32), because everything after FC1 in
+    `MLP.forward` is row-wise: the activation (GLU chunks the last dim) and the per-row
+    probability scale run over all N rows at once.
+
+    * Megatron's unfused SwiGLU (`swiglu_in_place_applies`; autograd not recording probs):
+      `swiglu_fc1_split`, FC1's gate half as one grouped GEMM straight into the [N, F]
+      output, its linear half in chunks of rows of at most `fc1_chunk_bytes()` of [rows, F]
+      (128 MiB unless $MEGATRON_OVERLAP_FC1_CHUNK_MB says otherwise), each chunk's SwiGLU
+      and probability scale in place (`swiglu_probs_in_place`'s operations and roundings).
+      Peak: [N, F] plus one chunk.
+    * Otherwise expert 0's own `MLP.forward` with FC1 and FC2 passed through
+      (`mlp_parts_replaced`), on chunks of rows (`row_chunks`) whose [rows, I] FC1 output
+      stays under `fc1_chunk_bytes()`: a chunk's transient (its FC1 output and up to 3 x
+      [rows, F] of Megatron's unfused GLU with probs) comes on top of the earlier chunks'
+      outputs, and their concatenation holds [N, F] twice at the end.
 
     Args:
         experts: a `SequentialMLP` for which `grouped_fc1_unsupported_reason` is None.
@@ -582,20 +630,11 @@ def grouped_fc1_activation(
         tokens_per_expert: [L] rows per local expert.
         probs: [N] router probability of each row.
 
-    The rows run in near-equal chunks of consecutive rows (`row_chunks`; an expert may
-    span two) whose FC1 output stays under `fc1_chunk_bytes()` (512 MiB unless
-    $MEGATRON_OVERLAP_FC1_CHUNK_MB says otherwise). With the SwiGLU in place, each chunk's
-    activations are written into their rows of the [N, F] output, allocated first: the
-    peak is [N, F] plus one chunk's [rows, I] FC1 output. Through `MLP.forward`, a chunk's
-    transient (its FC1 output and up to 3 x [rows, F] of Megatron's unfused GLU with probs)
-    comes on top of the earlier chunks' outputs, and their concatenation holds [N, F]
-    twice at the end.
-
     Returns:
-        ([N, F] activations with probs applied, x's dtype; what ran the GEMM:
+        ([N, F] activations with probs applied, x's dtype; what ran the GEMMs:
         "grouped FC1: <impl>" with impl from `expert_matmul`, plus ", weights view|stack",
-        ", <n> row chunks" when there were several and ", SwiGLU in place" where
-        `swiglu_probs_in_place` ran).
+        then ", SwiGLU in place" and ", linear half in <n> row chunks" (n > 1) for the
+        split SwiGLU, or ", <n> row chunks" (n > 1) through `MLP.forward`).
 
     Raises:
         ValueError: $MEGATRON_OVERLAP_FC1_CHUNK_MB is not a number > 0.
@@ -605,27 +644,27 @@ def grouped_fc1_activation(
     cache = getattr(experts, "fc1_stack_cache", None)
     w1, how = cache.get(fc1_weights) if cache is not None else stacked_weights(fc1_weights)
     counts = _counts(tokens_per_expert, len(mlps), x.shape[0])
-    # Rows in chunks whose FC1 output stays under fc1_chunk_bytes(): the [N, I] FC1 output
-    # of all rows at once would be a peak the per-expert loop never has.
-    chunks = row_chunks(counts, w1.shape[1] * x.element_size(), fc1_chunk_bytes())
+    # FC1's output in chunks of at most fc1_chunk_bytes(): the [N, I] FC1 output of all
+    # rows at once would be a peak the per-expert loop never has.
     # (probs recorded by autograd, e.g. a trainable router with frozen experts: Megatron's
     # MLP.forward keeps their gradient, an out= product would refuse)
     in_place = (swiglu_in_place_applies(experts.config)
                 and not (torch.is_grad_enabled() and probs.requires_grad))
-    impl = "none (no rows)"
     if in_place:
-        h, impl = swiglu_fc1_chunks(x, w1, chunks, probs)
-    else:
-        outs = []
-        for row0, row1, first, end, chunk_counts in chunks:
-            fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)
-            with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
-                # not __call__: expert 0's hooks stay quiet
-                out, bias = mlps[0].forward(fc1, probs[row0:row1])
-            assert bias is None
-            del fc1
-            outs.append(out)
-        h = outs[0] if len(outs) == 1 else torch.cat(outs)
+        h, impl, n = swiglu_fc1_split(x, w1, counts, probs, fc1_chunk_bytes())
+        split = f", linear half in {n} row chunks" if n > 1 else ""
+        return h, f"grouped FC1: {impl}, weights {how}, SwiGLU in place{split}"
+    # Megatron's MLP.forward (expert 0's, FC1 / FC2 passed through) on each chunk of rows
+    chunks = row_chunks(counts, w1.shape[1] * x.element_size(), fc1_chunk_bytes())
+    outs, impl = [], "none (no rows)"
+    for row0, row1, first, end, chunk_counts in chunks:
+        fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)
+        with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
+            # not __call__: expert 0's hooks stay quiet
+            out, bias = mlps[0].forward(fc1, probs[row0:row1])
+        assert bias is None
+        del fc1
+        outs.append(out)
+    h = outs[0] if len(outs) == 1 else torch.cat(outs)
     split = f", {len(chunks)} row chunks" if len(chunks) > 1 else ""
-    act = ", SwiGLU in place" if in_place else ""
-    return h, f"grouped FC1: {impl}, weights {how}{split}{act}"
+    return h, f"grouped FC1: {impl}, weights {how}{split}"

@@ -21,22 +21,25 @@ def _module():
 def test_bench_fc1_rows(tmp_path, capsys):
     out = tmp_path / "sub" / "fc1.jsonl"
     assert _module().main(["--model", "tiny", "--tokens", "48", "--chunk-mb", "all", "0.004",
-                           "--iters", "2", "--warmup", "0", "--out", str(out)]) == 0
+                           "split:all", "split:0.004", "--iters", "2", "--warmup", "0",
+                           "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["chunk_mb"] for r in rows] == [None, 0.004], rows
-    one, split = rows
+    assert [(r["mode"], r["chunk_mb"]) for r in rows] == [
+        ("rows", None), ("rows", 0.004), ("split", None), ("split", 0.004)], rows
     # tiny: 4 local experts at EP 2, 96 rows of 2 x 32 fp32 FC1 outputs (256 B a row):
-    # 0.004 MiB = 16 rows a chunk
-    assert one["rows"] == split["rows"] == 96 and one["local_experts"] == 4, rows
-    assert one["chunks"] == 1 and split["chunks"] == 6, rows
-    assert one["vs_one_chunk"] == 1.0 and split["agree"] and one["agree"], rows
+    # 0.004 MiB = 16 rows a chunk of [rows, 2F], 32 rows of [rows, F] (split)
+    assert all(r["rows"] == 96 and r["local_experts"] == 4 for r in rows), rows
+    assert [r["chunks"] for r in rows] == [1, 6, 1, 3], rows
+    assert rows[0]["vs_first"] == 1.0 and all(r["agree"] for r in rows), rows
     assert all(r["peak_extra_bytes"] is None and r["ms_p50"] > 0 for r in rows), rows
-    assert "0.004 MiB x  6" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "rows  0.004 MiB x  6" in text and "split 0.004 MiB x  3" in text, text
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--chunk-mb", "0"], "expected 'all' or a number of MiB > 0"),
-    (["--chunk-mb", "inf"], "expected 'all' or a number of MiB > 0"),
+    (["--chunk-mb", "0"], "expected [rows:|split:] then 'all' or a number of MiB > 0"),
+    (["--chunk-mb", "inf"], "expected [rows:|split:] then 'all' or a number of MiB > 0"),
+    (["--chunk-mb", "cols:64"], "the mode before ':' must be 'rows' or 'split'"),
     (["--model", "mixtral-8x7b", "--ep", "3"], "does not divide mixtral-8x7b's 8 experts"),
     (["--model", "no-such-model"], "no-such-model"),
 ])
@@ -60,4 +63,4 @@ def test_bench_fc1_exits_1_when_a_chunk_size_disagrees(tmp_path, capsys):
                      "--warmup", "0", "--out", str(out)]) == 1
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["agree"] for r in rows] == [True, False], rows
-    assert "disagrees with the first chunk size" in capsys.readouterr().err
+    assert "disagrees with the first setting" in capsys.readouterr().err

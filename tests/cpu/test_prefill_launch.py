@@ -116,7 +116,7 @@ def test_fc1_impl_reaches_every_fused_layer(tmp_path):
     assert proc.returncode == 0, _explain(proc)
     on = next(r for r in rows if r["variant"] == "on")
     assert on["fc1_impl"] == "grouped" and on["agree"] is True, on
-    assert on["bias_activation_fusion"] is False and on["fc1_chunk_bytes"] == 512 * 2**20, on
+    assert on["bias_activation_fusion"] is False and on["fc1_chunk_bytes"] == 128 * 2**20, on
     assert on["experts_impl"].startswith("grouped FC1: "), on["experts_impl"]
 
 
