@@ -29,7 +29,7 @@ sends one entry per destination and local expert, `_tile_list_block` expands the
 comparison and debugging)."""
 
 FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
-"""The grouped FC1's largest GEMM output per chunk of rows, in MiB (`fc1_chunk_bytes`)."""
+"""The grouped FC1's chunk of rows, in MiB of [rows, F] (`fc1_chunk_bytes`)."""
 
 SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
 """Environment variable of the resource solver: "cpp", "python" or unset (C++ when built;
@@ -63,10 +63,11 @@ FC1_CHUNK_MAX_MB = 2**30
 
 
 def fc1_chunk_bytes() -> int:
-    """Largest FC1 output one grouped GEMM of the grouped FC1 produces, in bytes: of FC1's
-    linear half ([rows, F]) for Megatron's unfused SwiGLU (`swiglu_fc1_split`), of the whole
-    [rows, I] otherwise; more rows run in several chunks of rows (peak memory, see
-    `grouped_fc1_activation`). 128 MiB, or $MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes (a
+    """The grouped FC1's chunk of rows, in bytes of [rows, F] (F the activation's width:
+    half of FC1's output with a GLU): at most this many bytes of FC1's linear half run in
+    one grouped GEMM for Megatron's unfused SwiGLU (`swiglu_fc1_split`; its gate half runs
+    for all rows at once), and of as many rows FC1's whole output otherwise (peak memory,
+    see `grouped_fc1_activation`). 128 MiB, or $MEGATRON_OVERLAP_FC1_CHUNK_MB mebibytes (a
     number > 0; smaller chunks lower the FC1's transient peak at the cost of more, smaller
     GEMMs: measured with launch/bench_fc1.py, docs/perf_notes.md v4.9).
 

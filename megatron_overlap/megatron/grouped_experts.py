@@ -619,10 +619,11 @@ def grouped_fc1_activation(
       and probability scale in place (`swiglu_probs_in_place`'s operations and roundings).
       Peak: [N, F] plus one chunk.
     * Otherwise expert 0's own `MLP.forward` with FC1 and FC2 passed through
-      (`mlp_parts_replaced`), on chunks of rows (`row_chunks`) whose [rows, I] FC1 output
-      stays under `fc1_chunk_bytes()`: a chunk's transient (its FC1 output and up to 3 x
-      [rows, F] of Megatron's unfused GLU with probs) comes on top of the earlier chunks'
-      outputs, and their concatenation holds [N, F] twice at the end.
+      (`mlp_parts_replaced`), on chunks of as many rows (`row_chunks`: at most
+      `fc1_chunk_bytes()` of [rows, F], F = I / 2 with a GLU): a chunk's transient (its
+      [rows, I] FC1 output and up to 3 x [rows, F] of Megatron's unfused GLU with probs)
+      comes on top of the earlier chunks' outputs, and their concatenation holds [N, F]
+      twice at the end.
 
     Args:
         experts: a `SequentialMLP` for which `grouped_fc1_unsupported_reason` is None.
@@ -654,8 +655,11 @@ def grouped_fc1_activation(
         h, impl, n = swiglu_fc1_split(x, w1, counts, probs, fc1_chunk_bytes())
         split = f", linear half in {n} row chunks" if n > 1 else ""
         return h, f"grouped FC1: {impl}, weights {how}, SwiGLU in place{split}"
-    # Megatron's MLP.forward (expert 0's, FC1 / FC2 passed through) on each chunk of rows
-    chunks = row_chunks(counts, w1.shape[1] * x.element_size(), fc1_chunk_bytes())
+    # Megatron's MLP.forward (expert 0's, FC1 / FC2 passed through) on each chunk of rows;
+    # chunks of as many rows as the split SwiGLU's: at most fc1_chunk_bytes() of [rows, F]
+    # (F = the activation's width: I / 2 with a GLU)
+    width = w1.shape[1] // 2 if experts.config.gated_linear_unit else w1.shape[1]
+    chunks = row_chunks(counts, width * x.element_size(), fc1_chunk_bytes())
     outs, impl = [], "none (no rows)"
     for row0, row1, first, end, chunk_counts in chunks:
         fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)

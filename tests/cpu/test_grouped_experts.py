@@ -434,7 +434,18 @@ def _layout_case(case: Case, rank: int) -> dict:
         # (one [n, 2F] GEMM there, the split halves' GEMMs in h_grouped: GEMM rounding)
         res["frozen_mismatch"] = describe_mismatch(h_frozen.detach(), h_grouped,
                                                    rel_tol=FC1_TOLERANCE[case.dtype])
+        # Megatron's MLP.forward in chunks of as many rows as the split SwiGLU's (14 rows of
+        # [rows, F] at 0.0013 MiB: 2 chunks; [rows, 2F] would make 3)
+        os.environ[FC1_CHUNK_ENV] = "0.0013"
+        h_frozen_chunks = experts.forward_fc1(x.detach(), counts, grad_probs)
+        res["frozen_chunks_how"] = experts.last_fc1
+        res["frozen_chunks_mismatch"] = describe_mismatch(
+            h_frozen_chunks.detach(), h_grouped, rel_tol=FC1_TOLERANCE[case.dtype])
     finally:
+        if saved_chunk is None:
+            os.environ.pop(FC1_CHUNK_ENV, None)
+        else:
+            os.environ[FC1_CHUNK_ENV] = saved_chunk
         for param in fc1_params:
             param.requires_grad_(True)
     experts.fc1_impl = "grouped"
@@ -534,6 +545,9 @@ def _check_layout(res: dict) -> None:
     assert res["fc1_groups_mismatch"] is None, res
     assert res["frozen_how"] == f"grouped FC1: {grouped_mm_name()}, weights view", res
     assert res["frozen_probs_grad"] and res["frozen_mismatch"] is None, res
+    assert res["frozen_chunks_how"] == (f"grouped FC1: {grouped_mm_name()}, weights view, "
+                                        "2 row chunks"), res
+    assert res["frozen_chunks_mismatch"] is None, res
     assert res["fc1_groups_how"] == (f"grouped FC1: {grouped_mm_name()}, weights view, "
                                      "SwiGLU in place, linear half in 2 row chunks"), res
     assert auto.startswith("loop: fc1_impl='auto' takes the grouped GEMM on CUDA only"), res
