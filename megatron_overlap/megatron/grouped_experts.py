@@ -293,7 +293,7 @@ def expert_matmul(
     fn, name = _grouped_mm_fn()
     key = (x.device.type, x.dtype, x.shape[1], weight.shape[1])  # refusals: dtype/alignment
     if fn is not None and key not in _refused:
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
         try:
             return fn(x, weight.transpose(1, 2), offs=offs.to(x.device, non_blocking=True)), name
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
