@@ -3,14 +3,15 @@ memory of each way, side by side in one run (one GPU; no process group).
 
     source scripts/device_setup.sh && python launch/bench_fc1.py --out $OUT/bench_fc1.jsonl
 
-Two ways, both the code of `megatron_overlap.megatron.grouped_experts` for Megatron's
-unfused SwiGLU (flag on and the `off-grouped` baseline run the same FC1):
-  rows   `swiglu_fc1_chunks`: per chunk of rows (`row_chunks`) one torch grouped GEMM of
-         FC1's whole [rows, 2F] output, then the in-place SwiGLU x probs into the chunk's
-         rows of one [N, F] output;
-  split  `swiglu_fc1_split`: the gate half's GEMM for all rows straight into the [N, F]
+Two ways, both in `megatron_overlap.megatron.grouped_experts`, for Megatron's unfused
+SwiGLU:
+  split  `swiglu_fc1_split`, what the grouped FC1 runs (flag on and the `off-grouped`
+         baseline alike): the gate half's GEMM for all rows straight into the [N, F]
          output, the linear half's GEMM in chunks of [rows, F], each chunk's SwiGLU x probs
-         in place.
+         in place;
+  rows   `swiglu_fc1_chunks` (for comparison; v4.9's first version): per chunk of rows
+         (`row_chunks`) one torch grouped GEMM of FC1's whole [rows, 2F] output, then the
+         in-place SwiGLU x probs into the chunk's rows of one [N, F] output.
 The rows are those one EP rank's experts receive in a balanced layer: tokens per rank x
 top-k (all EP ranks' tokens routed uniformly), split evenly over the num_moe_experts / EP
 local experts.
@@ -21,7 +22,8 @@ setting alike; printed and in the rows: median (p20 / p80) ms, its ratio to the 
 setting's, and the peak memory the call allocates beyond its inputs (`torch.cuda` peak
 statistics, one more call per setting); each setting's output is checked against the first
 setting's (`agree`, bf16 tolerance; exit status 1 when one disagrees). On the CPU (a smoke
-run) the times are wall-clock and the memory is not measured.
+run) the times are wall-clock and the memory is not measured. A setting that would make
+more than MAX_CHUNKS chunks exits with status 2.
 
 Row schema (JSON lines, `benchmark: "fc1"`): model, tokens_per_rank, ep, rows,
 local_experts, hidden_size, moe_ffn_hidden_size, dtype, mode ("rows" | "split"), chunk_mb
@@ -42,6 +44,7 @@ import time
 import torch
 
 from megatron_overlap.bench.cli import add_timing_args, check_launch_inputs, positive_int
+from megatron_overlap.config import FC1_CHUNK_MAX_MB
 from megatron_overlap.megatron.grouped_experts import (
     row_chunks,
     swiglu_fc1_chunks,
@@ -50,14 +53,17 @@ from megatron_overlap.megatron.grouped_experts import (
 from megatron_overlap.models import available_models, load_model_shape
 
 
+MAX_CHUNKS = 4096
+"""Most chunks one setting may make (a tiny size would launch one GEMM per row)."""
+
 AGREE_REL_TOL = {torch.bfloat16: 2**-7, torch.float32: 1e-5}
 """max|h - h_first| / max|h_first| each setting must stay under (`agree`)."""
 
 
 def chunk_setting(text: str) -> tuple[str, float | None]:
     """"[rows:|split:]SIZE" -> (mode, MiB or None for "all": one chunk)."""
-    mode, _, size = text.rpartition(":")
-    mode = mode or "rows"
+    mode, colon, size = text.rpartition(":")
+    mode = mode if colon else "rows"
     if mode not in ("rows", "split"):
         raise argparse.ArgumentTypeError(f"{text!r}: the mode before ':' must be 'rows' or "
                                          "'split'")
@@ -67,9 +73,9 @@ def chunk_setting(text: str) -> tuple[str, float | None]:
         mib = float(size)
     except ValueError:
         mib = float("nan")
-    if not 0 < mib < float("inf"):
+    if not 0 < mib <= FC1_CHUNK_MAX_MB:
         raise argparse.ArgumentTypeError(f"{text!r}: expected [rows:|split:] then 'all' or a "
-                                         "number of MiB > 0")
+                                         f"number of MiB > 0 and <= {FC1_CHUNK_MAX_MB}")
     return mode, mib
 
 
@@ -111,8 +117,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         if shape.num_moe_experts % args.ep:
             p.error(f"--ep {args.ep} does not divide {shape.name}'s "
                     f"{shape.num_moe_experts} experts")
+        elsize = 2 if cuda else 4  # bf16 on GPU, fp32 on CPU
+        for tokens in args.tokens:
+            counts = _expert_rows(shape, tokens, args.ep)
+            for mode, mib in args.chunk_mb:
+                chunks = _chunk_count(mode, mib, counts, shape.moe_ffn_hidden_size * elsize)
+                if chunks > MAX_CHUNKS:
+                    p.error(f"--chunk-mb {mode}:{mib:g} makes {chunks} chunks of "
+                            f"{shape.name}'s {sum(counts)} rows at {tokens} tokens (more "
+                            f"than {MAX_CHUNKS}): give a larger size")
     args.shapes = shapes
     return args
+
+
+def _expert_rows(shape, tokens: int, ep: int) -> list[int]:
+    """Rows of each of the rank's num_moe_experts / EP local experts: tokens x top-k, even."""
+    local, n = shape.num_moe_experts // ep, tokens * shape.moe_router_topk
+    return [n // local + (e < n % local) for e in range(local)]
+
+
+def _chunk_count(mode: str, mib: float | None, counts, half_bytes: int) -> int:
+    return len(row_chunks(counts, half_bytes * (1 if mode == "split" else 2), _budget(mib)))
 
 
 def _budget(mib: float | None) -> int:
@@ -140,6 +165,8 @@ def _git_sha() -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    command = " ".join(["bench_fc1.py"] + list(sys.argv[1:] if argv is None else argv))
+    git_sha = _git_sha()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -151,15 +178,14 @@ def main(argv=None) -> int:
         w1 = (torch.randn(local, 2 * ffn, hidden, generator=gen, device=device)
               * hidden**-0.5).to(dtype)
         for tokens in args.tokens:
-            n = tokens * shape.moe_router_topk
-            counts = [n // local + (e < n % local) for e in range(local)]
+            counts = _expert_rows(shape, tokens, args.ep)
+            n = sum(counts)
             x = torch.randn(n, hidden, generator=gen, device=device).to(dtype)
             probs = torch.rand(n, generator=gen, device=device)
             half_bytes = ffn * x.element_size()
 
             def chunk_count(mode, mib):
-                return len(row_chunks(counts, half_bytes * (1 if mode == "split" else 2),
-                                      _budget(mib)))
+                return _chunk_count(mode, mib, counts, half_bytes)
 
             plans = [(mode, mib, _runner(mode, mib, x, w1, counts, probs))
                      for mode, mib in args.chunk_mb]
@@ -209,8 +235,7 @@ def main(argv=None) -> int:
                     "peak_extra_bytes": peak, "agree": agree, "iters": args.iters, "warmup": args.warmup,
                     "device": device.type,
                     "gpu": torch.cuda.get_device_name() if cuda else None,
-                    "torch": torch.__version__, "git_sha": _git_sha(),
-                    "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                    "torch": torch.__version__, "git_sha": git_sha, "command": command,
                 }
                 rows_out.append(row)
                 peak_txt = f"{peak / 2**20:8.0f} MiB" if peak is not None else "       -"

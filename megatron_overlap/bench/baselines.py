@@ -72,7 +72,7 @@ def label(variant: str, **details: Any) -> str:
     if variant == "off-grouped":
         impl = details.get("impl") or f"grouped GEMM: {grouped_mm_name()}"
         return ("Megatron-Core alltoall dispatcher + GroupedGEMMSequentialMLP "
-                f"(SequentialMLP parameters; FC1 and FC2 as one grouped GEMM each; {impl})")
+                f"(SequentialMLP parameters; FC1 and FC2 as torch grouped GEMMs; {impl})")
     if variant == "off-te":
         return ("Megatron-Core alltoall dispatcher + TEGroupedMLP (Transformer Engine "
                 f"{details.get('te_version', '?')} grouped GEMM)")
@@ -94,9 +94,11 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
     something re-pointed them).
 
     forward(x [N, H], tokens_per_expert [L], probs [N]) -> ([N, H], None), as
-    `SequentialMLP.forward`: FC1 as one grouped GEMM (`expert_matmul`: torch
+    `SequentialMLP.forward`: FC1 and the activation with probs as the flag-on experts run
+    them (`grouped_fc1_activation`: grouped GEMMs through `expert_matmul`, torch
     `nn.functional.grouped_mm` where it exists, else `torch._grouped_mm`, else a per-expert
-    loop), Megatron's activation and probs over all rows, FC2 as one grouped GEMM. Where
+    loop; for Megatron's unfused SwiGLU FC1's two halves, the linear one in chunks of
+    rows), FC2 as one grouped GEMM. Where
     `grouped_fc1_unsupported_reason` says no (one local expert, unsupported activation,
     autograd recording, ...) it runs `SequentialMLP.forward` itself. `last_impl` says what
     the last forward ran.

@@ -42,9 +42,11 @@ Common fields:
   (the flag-on experts' FC1 setting, "auto" | "grouped" | "loop"; absent before v4.7),
   bias_activation_fusion (the run's `--bias-activation-fusion`, every variant; absent
   in rows from before 6a8f863, v4.8's layer grid among them), fc1_chunk_bytes (the
-  grouped FC1's chunk, `MEGATRON_OVERLAP_FC1_CHUNK_MB`: bytes of [rows, F] since v4.9
-  (c3a54e9, default 128 MiB), bytes of a group of experts' whole FC1 output before
-  (default 512 MiB); absent in rows from before 7055ab9),
+  grouped FC1's chunk, `MEGATRON_OVERLAP_FC1_CHUNK_MB`: from 7055ab9 (v4.8) bytes of a
+  group of whole experts' [rows, 2F] FC1 output, default 512 MiB; from d332b27 (v4.9)
+  bytes of a chunk of rows of that output; from c3a54e9 (default 128 MiB) bytes of a
+  chunk of [rows, F] of the split SwiGLU's linear half, and from 55b2e2f on every path;
+  absent in rows from before 7055ab9),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer, from v4.5: p50 of the host time to enqueue a forward, slowest rank;

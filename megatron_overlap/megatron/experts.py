@@ -14,10 +14,12 @@ Flag on, for speed (see `grouped_experts` for the mechanics and what checkpoints
   fused kernel's TMA descriptor over [L * H, F] needs) instead of a `torch.stack` copy
   (~470 MB per Mixtral-8x7B layer at EP = 2); if something re-pointed the parameters
   (Megatron's DDP buffer, `load_state_dict(assign=True)`) it falls back to `torch.stack`;
-* `forward_fc1` runs FC1 of all local experts as one grouped GEMM on CUDA, followed by
-  Megatron's own activation code over all rows, instead of one `MLP.forward` per expert
-  (64-128 small GEMMs for the fine-grained models), where `grouped_fc1_unsupported_reason`
-  allows; otherwise Megatron's loop.
+* `forward_fc1` runs FC1 of all local experts as grouped GEMMs on CUDA
+  (`grouped_fc1_activation`: for Megatron's unfused SwiGLU FC1's gate half for all rows
+  and its linear half in chunks of rows, the activation and probs computed in place with
+  Megatron's operations; otherwise Megatron's own activation code over chunks of rows),
+  instead of one `MLP.forward` per expert (64-128 small GEMMs for the fine-grained
+  models), where `grouped_fc1_unsupported_reason` allows; otherwise Megatron's loop.
 
 Shape symbols: N rows, H hidden, F per-expert FFN width per expert-TP rank, L local experts.
 """
@@ -109,9 +111,9 @@ class GatherRSSequentialMLP(SequentialMLP):
 
         Returns:
             [N, F] intermediate activations (F = moe_ffn_hidden_size / TP), probs applied,
-            in the rows' order: the `h` operand of `gemm2_gatherrs`. One grouped GEMM or
-            Megatron's per-expert loop (see `fc1_impl`, `last_fc1`); the two agree within
-            the GEMMs' rounding.
+            in the rows' order: the `h` operand of `gemm2_gatherrs`. Grouped GEMMs
+            (`grouped_fc1_activation`) or Megatron's per-expert loop (see `fc1_impl`,
+            `last_fc1`); the two agree within the GEMMs' rounding.
 
         Raises:
             ValueError: `fc1_impl` is not one of `FC1_IMPLS`.

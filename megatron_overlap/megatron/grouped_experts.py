@@ -50,9 +50,12 @@ __all__ = [
     "grouped_mm_name",
     "mlp_parts_replaced",
     "restack_experts_",
+    "row_chunks",
     "stack_parameters_",
     "stacked_view",
     "stacked_weights",
+    "swiglu_fc1_chunks",
+    "swiglu_fc1_split",
     "swiglu_in_place_applies",
     "swiglu_probs_in_place",
 ]
@@ -511,8 +514,9 @@ class StackedViewCache:
 
 
 def row_chunks(counts: Sequence[int], row_bytes: int, budget: int):
-    """The rows of all experts (grouped by expert, as `counts` says) in near-equal chunks of
-    consecutive rows, each at most `budget` bytes of output (at least one row a chunk).
+    """The rows of all experts (grouped by expert, as `counts` says) in the fewest chunks of
+    consecutive rows of at most `budget` bytes of output each (at least one row a chunk),
+    their sizes differing by at most one row.
 
     Args:
         counts: [L] rows per expert, >= 0.
@@ -528,17 +532,19 @@ def row_chunks(counts: Sequence[int], row_bytes: int, budget: int):
     total = sum(counts)
     if total == 0:
         return [(0, 0, 0, len(counts), counts)]
-    n = min(total, max(1, -(-total * row_bytes // max(budget, 1))))
-    step = -(-total // n)
+    cap = max(1, budget // max(row_bytes, 1))  # rows a chunk may hold
+    n = -(-total // cap)
+    base, extra = divmod(total, n)  # n near-equal sizes, each <= cap
     ends = list(itertools.accumulate(counts))
     starts = [e - c for e, c in zip(ends, counts)]
-    chunks = []
-    for row0 in range(0, total, step):
-        row1 = min(total, row0 + step)
+    chunks, row0 = [], 0
+    for i in range(n):
+        row1 = row0 + base + (i < extra)
         first = bisect.bisect_right(ends, row0)   # the first expert ending after row0
         end = bisect.bisect_left(starts, row1)    # experts that start before row1
         chunk_counts = [min(ends[e], row1) - max(starts[e], row0) for e in range(first, end)]
         chunks.append((row0, row1, first, end, chunk_counts))
+        row0 = row1
     return chunks
 
 
@@ -547,8 +553,9 @@ def swiglu_fc1_chunks(x: torch.Tensor, w1: torch.Tensor, chunks, probs: torch.Te
     """FC1 of every chunk of rows (`row_chunks`) as one grouped GEMM each, then
     `swiglu_probs_in_place` into the chunk's rows of one [N, F] output allocated first:
     the peak is [N, F] plus one chunk's [rows, 2F] FC1 output (no concatenation). The
-    flag-on experts run `swiglu_fc1_split` instead (the same peak for a budget of half the
-    bytes, and only half the FLOPs in chunks; launch/bench_fc1.py compares the two).
+    grouped FC1 runs `swiglu_fc1_split` instead (the same peak at the same budget with half
+    as many chunks and only half the FLOPs chunked; faster on the GPU, docs/perf_notes.md
+    v4.9); this one stays for launch/bench_fc1.py's comparison.
 
     Args:
         x: [N, H] rows grouped by local expert.
@@ -575,8 +582,9 @@ def swiglu_fc1_split(x: torch.Tensor, w1: torch.Tensor, counts: Sequence[int],
     into the [N, F] output; then the linear half (`w1[:, F:]`) in chunks of rows
     (`row_chunks`, at most `budget` bytes of [rows, F] each), each chunk's SwiGLU and
     probability scale computed in place in the output's rows (`swiglu_probs_in_place`'s
-    operations and roundings). Peak: [N, F] plus one chunk's [rows, F]; only the linear
-    half's GEMM runs in chunks.
+    operations and roundings). Peak: [N, F] plus one chunk's [rows, F] (with torch's grouped
+    GEMM; its per-expert loop fallback concatenates, 2 [N, F] for a moment); only the
+    linear half's GEMM runs in chunks.
 
     Args:
         x: [N, H] rows grouped by local expert.

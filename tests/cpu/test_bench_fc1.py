@@ -40,6 +40,9 @@ def test_bench_fc1_rows(tmp_path, capsys):
     (["--chunk-mb", "0"], "expected [rows:|split:] then 'all' or a number of MiB > 0"),
     (["--chunk-mb", "inf"], "expected [rows:|split:] then 'all' or a number of MiB > 0"),
     (["--chunk-mb", "cols:64"], "the mode before ':' must be 'rows' or 'split'"),
+    (["--chunk-mb", ":64"], "the mode before ':' must be 'rows' or 'split'"),
+    (["--chunk-mb", "1e308"], "a number of MiB > 0 and <= 1073741824"),
+    (["--tokens", "5000", "--chunk-mb", "1e-9"], "makes 10000 chunks of tiny's 10000 rows"),
     (["--model", "mixtral-8x7b", "--ep", "3"], "does not divide mixtral-8x7b's 8 experts"),
     (["--model", "no-such-model"], "no-such-model"),
 ])
