@@ -44,6 +44,7 @@ import time
 import torch
 
 from megatron_overlap.bench.cli import add_timing_args, check_launch_inputs, positive_int
+from megatron_overlap.bench.measure import percentile
 from megatron_overlap.config import FC1_CHUNK_MAX_MB
 from megatron_overlap.megatron.grouped_experts import (
     row_chunks,
@@ -51,7 +52,6 @@ from megatron_overlap.megatron.grouped_experts import (
     swiglu_fc1_split,
 )
 from megatron_overlap.models import available_models, load_model_shape
-
 
 MAX_CHUNKS = 4096
 """Most chunks one setting may make (a tiny size would launch one GEMM per row)."""
@@ -224,7 +224,8 @@ def main(argv=None) -> int:
                 scale = reference.abs().max().clamp_min(1e-30)
                 agree = bool(((h - reference).abs().max() / scale) <= AGREE_REL_TOL[dtype])
                 del h
-                q = statistics.quantiles(times[i], n=5) if len(times[i]) > 1 else times[i] * 4
+                # (linear interpolation inside the sample, as the layer benchmark's)
+                q = [percentile(times[i], 20), None, None, percentile(times[i], 80)]
                 p50 = statistics.median(times[i])
                 row = {
                     "benchmark": "fc1", "model": shape.name, "tokens_per_rank": tokens,

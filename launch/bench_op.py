@@ -61,6 +61,7 @@ from megatron_overlap.bench.cli import (
     positive_float,
     positive_int,
 )
+from megatron_overlap.bench.measure import percentile
 from megatron_overlap.bench.report import plot, table
 from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions
@@ -170,8 +171,9 @@ def timed_prepared_interleaved(prepares, h, w2, args, *, prepare_timed: bool = F
 
 def _quantiles(t) -> dict:
     """p20 / p50 / p80 of a sample (ms): the rows' timing fields."""
-    q = statistics.quantiles(t, n=10) if len(t) > 1 else list(t) * 9
-    return {"p20": q[1], "p50": statistics.median(t), "p80": q[7]}
+    # linear interpolation inside the sample (statistics.quantiles' default "exclusive"
+    # method, used until v4.9, extrapolates beyond it for small samples)
+    return {"p20": percentile(t, 20), "p50": statistics.median(t), "p80": percentile(t, 80)}
 
 
 def peer_bandwidth_gbps(device, num_bytes: int = 1 << 30) -> float:

@@ -166,7 +166,7 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
     check_environment()
     if not out:
         return
-    if os.path.isdir(out):
+    if os.path.isdir(out) or out.endswith(("/", os.sep)):
         raise ValueError(f"{flag} {out!r} is a directory: give a file path")
     folder = os.path.dirname(out)
     if folder:
@@ -175,6 +175,8 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
         except OSError as err:
             raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} "
                              f"({err.strerror})") from None
+        if os.path.isdir(out):  # e.g. "new/../results": a directory once "new" exists
+            raise ValueError(f"{flag} {out!r} is a directory: give a file path")
 
 
 def json_rows(path: str) -> Iterator[Tuple[int, object]]:

@@ -180,6 +180,8 @@ def test_regret_summary_table_and_plot(tmp_path):
     ("bench_layer.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
     ("prefill.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
     ("oracle.py", ["--dry-run", "--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
+    ("bench_layer.py", ["--out", "newdir/"], "--out 'newdir/' is a directory"),
+    ("bench_fc1.py", ["--out", "new/.."], "is a directory: give a file path"),
     ("trace_summary.py", ["t.json", "--top", "0"], "--top: '0': expected an integer >= 1"),
     ("trace_summary.py", ["t.json", "--gap-us", "nan"], "--gap-us: 'nan': expected finite"),
     ("profile_call.py", ["--tokens", "x"], "--tokens: 'x'"),
