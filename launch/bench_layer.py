@@ -102,6 +102,7 @@ from megatron_overlap.bench.measure import (
     sync,
     symm_workspace_bytes,
 )
+from megatron_overlap.resource.solver import implementation_name
 
 SCHEMA = "megatron_overlap.layer/1"
 """`schema` field of every row; bump when a field changes meaning."""
@@ -881,6 +882,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
                 "bias_activation_fusion": run.bias_activation_fusion,
                 "fc1_chunk_bytes": fc1_chunk_bytes(),
+                "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,
                 **env,

@@ -88,6 +88,7 @@ from megatron_overlap.config import (  # noqa: E402
     PREREDUCE_ARGUMENT,
     fc1_chunk_bytes,
 )
+from megatron_overlap.resource.solver import implementation_name  # noqa: E402
 
 SCHEMA = "megatron_overlap.prefill/1"
 """`schema` field of every JSON row; bump when a field changes meaning."""
@@ -1423,6 +1424,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
         "bias_activation_fusion": run.bias_activation_fusion,
         "fc1_chunk_bytes": fc1_chunk_bytes(),
+        "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
         "backend": backend,
         "reference": reference_used,
         "fused_moe_layers": fused_layers,

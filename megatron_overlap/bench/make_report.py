@@ -46,7 +46,9 @@ Common fields:
   group of whole experts' [rows, 2F] FC1 output, default 512 MiB; from d332b27 (v4.9)
   bytes of a chunk of rows of that output; from c3a54e9 (default 128 MiB) bytes of a
   chunk of [rows, F] of the split SwiGLU's linear half, and from 55b2e2f on every path;
-  absent in rows from before 7055ab9),
+  absent in rows from before 7055ab9), resource_solver (the resource manager's solver
+  in that process, "cpp" | "python", `resource.solver.implementation_name`; absent
+  before v4.9's eed19ee),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer, from v4.5: p50 of the host time to enqueue a forward, slowest rank;

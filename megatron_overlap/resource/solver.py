@@ -77,6 +77,16 @@ def implementation(name: Optional[str] = None) -> ModuleType:
     return twin
 
 
+def implementation_name(name: Optional[str] = None) -> str:
+    """"cpp" or "python": which module `implementation(name)` returns (the benchmarks'
+    rows record it, since the Python twin is ~15x slower on the host).
+
+    Raises:
+        as `implementation`.
+    """
+    return "python" if implementation(name) is twin else "cpp"
+
+
 def _bench() -> int:
     if _cpp is None:
         print(f"the C++ solver is not built: {_CPP_ERROR}")

@@ -33,6 +33,16 @@ def test_extension_is_built_in_ci():
 needs_cpp = pytest.mark.skipif(cpp is None, reason="C++ solver not built")
 
 
+def test_implementation_name_says_which_module_runs(monkeypatch):
+    monkeypatch.setenv(solver.SOLVER_ENV, "python")
+    assert solver.implementation_name() == "python"
+    assert solver.implementation_name("python") == "python"
+    monkeypatch.delenv(solver.SOLVER_ENV)
+    assert solver.implementation_name() == ("cpp" if cpp is not None else "python")
+    with pytest.raises(ValueError, match="expected 'cpp' or 'python'"):
+        solver.implementation_name("fortran")
+
+
 def random_problems(rng, n):
     """[n, 6] problems over every regime: compute-bound, link-bound (k * c_link > tau),
     store-bound (c_cta > tau), no remote / no local tiles, tiny grids and times."""
