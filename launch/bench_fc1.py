@@ -184,9 +184,6 @@ def main(argv=None) -> int:
             probs = torch.rand(n, generator=gen, device=device)
             half_bytes = ffn * x.element_size()
 
-            def chunk_count(mode, mib):
-                return _chunk_count(mode, mib, counts, half_bytes)
-
             plans = [(mode, mib, _runner(mode, mib, x, w1, counts, probs))
                      for mode, mib in args.chunk_mb]
             times = {i: [] for i in range(len(plans))}
@@ -208,7 +205,7 @@ def main(argv=None) -> int:
             base = statistics.median(times[0])  # ratios against the first setting
             reference = plans[0][2]()
             for i, (mode, mib, run) in enumerate(plans):
-                chunks = chunk_count(mode, mib)
+                chunks = _chunk_count(mode, mib, counts, half_bytes)
                 peak = None
                 if cuda:
                     torch.cuda.synchronize()
