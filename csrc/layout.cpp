@@ -82,20 +82,29 @@ py::tuple direct_layout(const py::array& routed_in, const py::array& counts_in, 
   const int64_t col_blocks = cdiv(hidden, bn);
 
   // pre[g * (ep + 1) + j]: rank g's routed pairs with an expert on EP ranks < j. Rank g's
-  // buffer holds, per sender s in group order, a block of (g's pairs on ep(s)) rows.
+  // rows are, per sender s in group order, a block of (g's pairs on ep(s)) rows; its own
+  // block (s = g) stays out of its receive buffer (the call's local buffer holds it).
   std::vector<int64_t> pre(R * (ep + 1), 0);
   for (int64_t g = 0; g < R; ++g) {
     for (int64_t e = 0; e < E; ++e) pre[g * (ep + 1) + e / L + 1] += routed[g * E + e];
     for (int64_t j = 0; j < ep; ++j) pre[g * (ep + 1) + j + 1] += pre[g * (ep + 1) + j];
   }
-  // offset(g, s): first row of sender s's block in g's buffer (the blocks of senders < s).
-  auto offset = [&](int64_t g, int64_t s) {
+  // block(g, s): rows sender s computes for g's tokens.
+  auto block = [&](int64_t g, int64_t s) {
     const int64_t* p = &pre[g * (ep + 1) + s / tp];
-    return tp * p[0] + (s % tp) * (p[1] - p[0]);
+    return p[1] - p[0];
   };
-  py::array_t<int64_t> recv_rows_arr(R);  // rows each rank receives: TP x its pairs
+  // offset(g, s), s != g: first row of sender s's block in g's receive buffer (the blocks of
+  // the senders < s other than g); 0 for s = g (the local buffer's first row).
+  auto offset = [&](int64_t g, int64_t s) {
+    if (s == g) return int64_t(0);
+    const int64_t* p = &pre[g * (ep + 1) + s / tp];
+    return tp * p[0] + (s % tp) * (p[1] - p[0]) - (g < s ? block(g, g) : 0);
+  };
+  // rows each rank receives from the others: TP x its pairs, less its own block
+  py::array_t<int64_t> recv_rows_arr(R);
   auto recv_rows = recv_rows_arr.mutable_unchecked<1>();
-  for (int64_t g = 0; g < R; ++g) recv_rows(g) = tp * pre[g * (ep + 1) + ep];
+  for (int64_t g = 0; g < R; ++g) recv_rows(g) = tp * pre[g * (ep + 1) + ep] - block(g, g);
 
   // h holds the (local expert l, chunk c) runs in row-major [L, R] order; run_start[l * R + c]
   // is the first row of run (l, c).
@@ -142,20 +151,24 @@ py::tuple direct_layout(const py::array& routed_in, const py::array& counts_in, 
   auto arrivals = arrivals_arr.mutable_unchecked<1>();
   for (int64_t s = 0; s < R; ++s) arrivals(s) = s == me ? 0 : tiles_from_ep[s / tp];
 
-  // finalize_base[t, e] = offset(me, sender) - first pair of e's EP rank + first pair of e
-  // - 1, sender = TP rank t of e's EP rank (int32, wrapping like numpy's astype).
+  // finalize_base[t, e] = row(sender) - first pair of e's EP rank + first pair of e - 1,
+  // sender = TP rank t of e's EP rank, row(sender) = offset(me, sender), or recv_rows(me) for
+  // this rank itself (the finalize reads rows from recv_rows(me) on from the local buffer);
+  // int32, wrapping like numpy's astype.
   py::array_t<int32_t> base_arr({tp, E});
   auto base = base_arr.mutable_unchecked<2>();
   int64_t first_pair = 0, first_pair_of_ep = 0;
   for (int64_t e = 0; e < E; ++e) {
     if (e % L == 0) first_pair_of_ep = first_pair;
     for (int64_t t = 0; t < tp; ++t) {
-      base(t, e) = int32_t(offset(me, (e / L) * tp + t) - first_pair_of_ep + first_pair - 1);
+      const int64_t sender = (e / L) * tp + t;
+      const int64_t row = sender == me ? recv_rows(me) : offset(me, sender);
+      base(t, e) = int32_t(row - first_pair_of_ep + first_pair - 1);
     }
     first_pair += mine[e];
   }
   return py::make_tuple(segments_arr, num_remote, num_local, col_blocks, arrivals_arr,
-                        recv_rows_arr, base_arr, first_pair);
+                        recv_rows_arr, block(me, me), base_arr, first_pair);
 }
 
 }  // namespace
@@ -177,7 +190,8 @@ Args:
 
 Returns:
     (segments int32 [R * L, 6], num_remote, num_local, col_blocks, arrivals int64 [R],
-    recv_rows int64 [R], finalize_base int32 [tp_size, E], num_pairs).
+    recv_rows int64 [R] (rows from the other ranks), local_rows (this rank's own block),
+    finalize_base int32 [tp_size, E], num_pairs).
 
 Raises:
     ValueError: a non-integer array, bad shapes, sizes, ranks or tile shape, counts outside

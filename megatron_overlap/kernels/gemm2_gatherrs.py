@@ -130,10 +130,12 @@ def _signal(peer_sig_ptrs, dest, my_rank, count):
 
 
 @triton.jit
-def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, F, H,
-          stride_h, stride_wl, stride_wn,
+def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, local_ptr,
+          my_rank, F, H, stride_h, stride_wl, stride_wn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr):
-    """One GEMM2 tile, stored at its destination `dest` (unless `store_ok` is 0).
+    """One GEMM2 tile, stored at its destination `dest` (unless `store_ok` is 0): another
+    rank's receive buffer (`peer_recv_ptrs[dest]`), or for this rank's own rows the call's
+    local buffer `local_ptr`.
 
     With TMA the A block may run past r1 into the next expert's rows and the B block past H
     into the next expert's weight: those rows / columns of the result are never stored.
@@ -166,8 +168,11 @@ def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptr
             acc = tl.dot(a, b, acc)
             a_ptrs += BK
             b_ptrs += BK
-    dst = tl.multiple_of(
-        tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(h_ptr.dtype.element_ty)), 16)
+    if dest == my_rank:
+        dst = local_ptr
+    else:
+        dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(h_ptr.dtype.element_ty))
+    dst = tl.multiple_of(dst, 16)
     out_rows = (dest_row + rows).to(tl.int64)
     r_end = tl.where(store_ok != 0, r1, r0)  # no row stored unless store_ok
     tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(h_ptr.dtype.element_ty),
@@ -175,8 +180,8 @@ def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptr
 
 
 @triton.jit
-def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, peer_sig_ptrs, sig_ptr,
-              my_rank, num_ranks, freed_target, timeout_ns, err_ptr, pend_dest, pend,
+def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, local_ptr, peer_sig_ptrs,
+              sig_ptr, my_rank, num_ranks, freed_target, timeout_ns, err_ptr, pend_dest, pend,
               free_dest, free_ok, F, H, stride_h, stride_wl, stride_wn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
               USE_TIMER: tl.constexpr):
@@ -199,8 +204,8 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, peer_sig_
                 _record_error(err_ptr, _ERR_PRODUCER_WAIT, dest, seen, freed_target)
             free_dest = dest
     store_ok = tl.where(remote, free_ok, 1)
-    _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, F, H,
-          stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA)
+    _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, local_ptr,
+          my_rank, F, H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA)
     if remote & (store_ok != 0):
         if dest != pend_dest:
             if pend > 0:
@@ -218,7 +223,7 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, peer_sig_
                                "N", "freed_target", "timeout_ns", "index_blocks", "num_tokens",
                                "num_experts"])
 def _gemm_scatter_kernel(
-    h_ptr, w2_ptr, tiles_ptr, num_remote, num_local, counters_ptr, peer_recv_ptrs,
+    h_ptr, w2_ptr, tiles_ptr, num_remote, num_local, counters_ptr, peer_recv_ptrs, local_ptr,
     peer_sig_ptrs, sig_ptr, my_rank, num_ranks, num_comm, freed_target, timeout_ns, err_ptr,
     N, F, H, L, stride_h, stride_wl, stride_wn,
     rmap_ptr, counts_ptr, base_ptr, index_ptr, index_blocks, num_tokens, num_experts,
@@ -257,7 +262,7 @@ def _gemm_scatter_kernel(
     if STATIC:
         for t in range(pid, num_remote + num_local, grid):
             pend_dest, pend, free_dest, free_ok = _run_tile(
-                h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + t * 6, peer_recv_ptrs,
+                h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + t * 6, peer_recv_ptrs, local_ptr,
                 peer_sig_ptrs, sig_ptr, my_rank, num_ranks, freed_target, timeout_ns, err_ptr,
                 pend_dest, pend, free_dest, free_ok, F, H, stride_h, stride_wl, stride_wn,
                 BM, BN, BK, USE_TMA, USE_TIMER)
@@ -273,9 +278,9 @@ def _gemm_scatter_kernel(
                 t_next = tl.atomic_add(claim, 1, sem="relaxed", scope="gpu")
                 pend_dest, pend, free_dest, free_ok = _run_tile(
                     h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + (first + t) * 6,
-                    peer_recv_ptrs, peer_sig_ptrs, sig_ptr, my_rank, num_ranks, freed_target,
-                    timeout_ns, err_ptr, pend_dest, pend, free_dest, free_ok, F, H, stride_h,
-                    stride_wl, stride_wn, BM, BN, BK, USE_TMA, USE_TIMER)
+                    peer_recv_ptrs, local_ptr, peer_sig_ptrs, sig_ptr, my_rank, num_ranks,
+                    freed_target, timeout_ns, err_ptr, pend_dest, pend, free_dest, free_ok, F,
+                    H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA, USE_TIMER)
                 t = t_next
     if pend > 0:
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
@@ -427,14 +432,16 @@ def _index_kernel(rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_exp
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_ranks", "my_rank", "timeout_ns",
-                               "last_done"])
+                               "last_done", "split"])
 def _finalize_kernel(
-    recv_ptr, index_ptr, out_ptr, sig_ptr, peer_sig_ptrs, targets_ptr, done_ptr, last_done,
-    num_tokens, H, num_ranks, my_rank, timeout_ns, err_ptr, C: tl.constexpr, BT: tl.constexpr,
-    BH: tl.constexpr, USE_TIMER: tl.constexpr, SIGNAL_FREE: tl.constexpr,
+    recv_ptr, local_ptr, split, index_ptr, out_ptr, sig_ptr, peer_sig_ptrs, targets_ptr,
+    done_ptr, last_done, num_tokens, H, num_ranks, my_rank, timeout_ns, err_ptr,
+    C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, USE_TIMER: tl.constexpr,
+    SIGNAL_FREE: tl.constexpr,
 ):
-    """out[t] = sum over c < C of recv[index[t, c]] (fp32 sum, fixed order), then "receive
-    buffer free" to every other rank.
+    """out[t] = sum over c < C of row index[t, c] (fp32 sum, fixed order), then "receive
+    buffer free" to every other rank. Row i is recv[i] below `split`, else local[i - split]
+    (the call's local buffer: this rank's rows for its own tokens).
 
     index: int32 [T, C] (`_index_block`; -1: none); targets: int64 [R], the arrival count
     each other rank must have reached first (sig[s], s < num_ranks). done: this rank's int64
@@ -461,9 +468,14 @@ def _finalize_kernel(
         acc = tl.zeros((BT, BH), dtype=tl.float32)
         for c in tl.static_range(C):
             rows = tl.load(index_ptr + tokens.to(tl.int64) * C + c, mask=t_ok, other=-1)
+            local = rows >= split
+            # Two masked loads (each row is read by one of them), not one load through a
+            # select of two pointers: each keeps its 16-byte vector accesses.
             v = tl.load(recv_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                        mask=(rows[:, None] >= 0) & c_ok[None, :], other=0.0)
-            acc += v.to(tl.float32)
+                        mask=((rows >= 0) & ~local)[:, None] & c_ok[None, :], other=0.0)
+            w = tl.load(local_ptr + (rows - split)[:, None].to(tl.int64) * H + cols[None, :],
+                        mask=local[:, None] & c_ok[None, :], other=0.0)
+            acc += tl.where(local[:, None], w, v).to(tl.float32)
         tl.store(out_ptr + tokens[:, None].to(tl.int64) * H + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
     if SIGNAL_FREE:

@@ -136,11 +136,17 @@ class DirectLayout:
     num_remote, num_local: tiles bound for other ranks / for this rank.
     col_blocks: ceil(hidden / bn); bm, bn: the tile shape.
     arrivals: int64 [R]: tiles each rank stores into this rank's buffer this call (0 for
-        this rank itself: its own tiles are ordered by the stream).
-    recv_rows: int64 [R]: rows each rank receives this call (TP x its routed pairs).
-    finalize_base: int32 [TP, E]: the receive-buffer row of token t's expert-e output from TP
-        rank tp of EP rank e // L is finalize_base[tp, e] + cum[t, e], cum the inclusive
-        prefix sum of the routing map over tokens (`contribution_rows`).
+        this rank itself: its own tiles go to the call's local buffer, ordered by the
+        stream).
+    recv_rows: int64 [R]: rows each rank receives from the other ranks this call (the rows
+        of its symmetric receive buffer: TP x its routed pairs, less those it computes
+        itself).
+    local_rows: rows this rank computes for its own tokens (its block of its own buffer,
+        kept in the call's local buffer instead of the symmetric one).
+    finalize_base: int32 [TP, E]: the row of token t's expert-e output from TP rank tp of
+        EP rank e // L is finalize_base[tp, e] + cum[t, e], cum the inclusive prefix sum of
+        the routing map over tokens (`contribution_rows`); rows from recv_rows[rank] on
+        are rows of the local buffer (row - recv_rows[rank] there).
     num_pairs: this rank's routed (token, expert) pairs.
 
     `tiles_remote` / `tiles_local` expand the segments on the host (`expand_tiles`; the
@@ -155,6 +161,7 @@ class DirectLayout:
     bn: int
     arrivals: np.ndarray
     recv_rows: np.ndarray
+    local_rows: int
     finalize_base: np.ndarray
     num_pairs: int
 
@@ -211,13 +218,14 @@ def direct_layout(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> Dire
         raise ValueError("metadata without routed_counts: build it with build_metadata(...)")
     if _layout_cpp is None:
         return direct_layout_numpy(meta, hidden, bm, bn)
-    (segments, num_remote, num_local, col_blocks, arrivals, recv_rows, finalize_base,
-     num_pairs) = _layout_cpp.direct_layout(
+    (segments, num_remote, num_local, col_blocks, arrivals, recv_rows, local_rows,
+     finalize_base, num_pairs) = _layout_cpp.direct_layout(
         meta.routed_counts, meta.rows_per_expert_per_chunk, meta.tp_size, meta.ep_size,
         meta.tp_rank, meta.ep_rank, hidden, bm, bn)
     return DirectLayout(segments=segments, num_remote=num_remote, num_local=num_local,
                         col_blocks=col_blocks, bm=bm, bn=bn, arrivals=arrivals,
-                        recv_rows=recv_rows, finalize_base=finalize_base, num_pairs=num_pairs)
+                        recv_rows=recv_rows, local_rows=local_rows,
+                        finalize_base=finalize_base, num_pairs=num_pairs)
 
 
 def direct_layout_numpy(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -> DirectLayout:
@@ -238,8 +246,13 @@ def direct_layout_numpy(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -
     pairs_to_ep = routed.reshape(group_size, ep, num_local).sum(axis=2)  # [R(g), EP(j)]
     ep_of_sender = np.arange(group_size) // tp
     block = pairs_to_ep[:, ep_of_sender]  # [R(g), R(s)]: rows s sends to g
-    offsets = np.cumsum(block, axis=1) - block  # [R(g), R(s)]: s's block in g's buffer
-    recv_rows = block.sum(axis=1)
+    own = np.eye(group_size, dtype=bool)
+    remote_block = np.where(own, 0, block)  # g's own rows stay out of its receive buffer
+    # [R(g), R(s)]: s's block in g's receive buffer (the remote senders' blocks in group
+    # order); g's own block is the local buffer, from row 0.
+    offsets = np.where(own, 0, np.cumsum(remote_block, axis=1) - remote_block)
+    recv_rows = remote_block.sum(axis=1)
+    local_rows = int(block[me, me])
 
     # This rank's segments: for chunk c (destination d) and local expert l, rows[l, c].
     counts = meta.rows_per_expert_per_chunk  # [L, R] chunk order
@@ -274,8 +287,10 @@ def direct_layout_numpy(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -
     expert_ep = np.arange(num_experts) // num_local
     senders = expert_ep[None, :] * tp + np.arange(tp)[:, None]  # [TP, E]
     # pair p of expert e sits at offsets + (p - first pair of e's EP rank); p = first_pair[e]
-    # + cum[t, e] - 1.
-    finalize_base = (offsets[me][senders] - first_pair_of_ep[expert_ep][None, :]
+    # + cum[t, e] - 1. The finalize reads rows >= recv_rows[me] from the local buffer: this
+    # rank's own block is addressed after the receive buffer's rows.
+    virtual = np.where(own[me], recv_rows[me], offsets[me])  # [R(s)]
+    finalize_base = (virtual[senders] - first_pair_of_ep[expert_ep][None, :]
                      + first_pair[None, :] - 1)
     return DirectLayout(
         segments=segments.astype(np.int32),
@@ -284,6 +299,7 @@ def direct_layout_numpy(meta: GatherRSMetadata, hidden: int, bm: int, bn: int) -
         col_blocks=int(col_blocks), bm=bm, bn=bn,
         arrivals=arrivals,
         recv_rows=recv_rows.astype(np.int64),
+        local_rows=local_rows,
         finalize_base=finalize_base.astype(np.int32),
         num_pairs=int(routed[me].sum()),
     )
@@ -678,6 +694,10 @@ class _Call:
         self.counters = (None if self.tile.static
                          else torch.empty(2, dtype=torch.int32, device=device))
         self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
+        # The finalize reads rows from `split` on from the local buffer (`send` allocates it:
+        # this rank's own rows, which stay out of the symmetric receive buffer).
+        self.split = int(lay.recv_rows[self.rank])
+        self.local = None
         self.h = self.w2 = None
         self.sent = False
         self._finalized = False
@@ -744,6 +764,7 @@ class _Call:
         self.ws.start_send(self.epoch,
                            torch.cuda.current_stream(self.device) if self.gpu else None)
         self.h, self.w2 = h.contiguous(), w2.contiguous()
+        self._alloc_local()
         row_bytes = self.h.shape[1] * self.h.element_size()
         self.use_tma = self.gpu and row_bytes % 16 == 0 and all(
             t.data_ptr() % 16 == 0 for t in (self.h, self.w2))
@@ -766,6 +787,15 @@ class _Call:
                 dist.barrier(group=ws.group)
             ws.compiled.add(key)
 
+    def _alloc_local(self) -> None:
+        """The call's local buffer: [local_rows, H] (at least one row), this rank's GEMM2
+        rows for its own tokens, which the finalize reads (rows >= `split`). Allocated when
+        the call is sent, on the current stream, and freed with the call: it is transient
+        memory like Megatron's FC2 output, where the symmetric receive buffer is held for
+        the whole run."""
+        self.local = torch.empty(max(1, self.layout.local_rows), self.hidden, dtype=self.dtype,
+                                 device=self.device)
+
     def gemm_only(self, grid: Optional[int] = None) -> None:
         """The GEMM2 tiles alone, every tile stored into this rank's own buffer and no
         signal sent (communication off): the benchmark's producer timing. Only after
@@ -777,17 +807,19 @@ class _Call:
         tiles[:, 4] = self.rank
         # Into a scratch copy of this rank's buffer: peers may already store the next call's
         # rows into the real one (they wait only for this rank's finalize).
+        # (every tile is this rank's now, so it goes to the local buffer's place: rows up to
+        # the larger of the two buffers)
         if getattr(self, "_scratch", None) is None:
-            self._scratch = torch.empty_like(self.ws.recv)
-            self._scratch_ptrs = torch.full((self.meta.group_size,), self._scratch.data_ptr(),
-                                            dtype=torch.int64, device=self.device)
+            rows = max(self.ws.capacity_rows, self.layout.local_rows, 1)
+            self._scratch = torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
         self._launch(tiles, grid or self.grid, num_remote=0,
-                     num_local=self.num_remote + self.num_local, recv_ptrs=self._scratch_ptrs,
+                     num_local=self.num_remote + self.num_local, local=self._scratch,
                      index=False)
 
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
-                recv_ptrs: Optional[torch.Tensor] = None, index: bool = False) -> None:
-        """`_gemm_scatter_kernel` over `tiles`; with `index`, its CTAs also build the
+                local: Optional[torch.Tensor] = None, index: bool = False) -> None:
+        """`_gemm_scatter_kernel` over `tiles`, this rank's own rows into `local` (default:
+        the call's local buffer); with `index`, its CTAs also build the
         finalize index (`_index_parts`); without, the index arguments are placeholders of the
         same dtypes (0 token blocks), so both take one compiled kernel wherever the pointers'
         16-byte alignment agrees (the bases' alignment follows the group size: with one
@@ -806,7 +838,7 @@ class _Call:
         im = self._index_meta
         handle = _gemm_scatter(
             (grid,), h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
-            ws.peer_recv_ptrs if recv_ptrs is None else recv_ptrs, ws.peer_signal_ptrs,
+            ws.peer_recv_ptrs, self.local if local is None else local, ws.peer_signal_ptrs,
             ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
             ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
             w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks, tokens, experts,
@@ -844,8 +876,9 @@ class _Call:
         signal_free = not self._finalized
         last_done = ws.add_finalize_ctas(grid[0] * grid[1]) - 1 if signal_free else 0
         _finalize(
-            grid, ws.recv, self.index, self.out, ws.signals, ws.peer_signal_ptrs, self.targets,
-            ws.finalize_done, last_done, meta.num_tokens, self.hidden, ws.num_ranks, self.rank,
+            grid, ws.recv, ws.recv if self.local is None else self.local, self.split,
+            self.index, self.out, ws.signals,
+            ws.peer_signal_ptrs, self.targets, ws.finalize_done, last_done, meta.num_tokens, self.hidden, ws.num_ranks, self.rank,
             self.timeout, ws.error, C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu,
             SIGNAL_FREE=signal_free, num_warps=4,
         )

@@ -167,7 +167,8 @@ class PreReducedCall(_Call):
                 table = expand_tiles(DirectLayout(
                     segments=seg, num_remote=0, num_local=num_tiles,
                     col_blocks=lay.col_blocks, bm=lay.bm, bn=lay.bn, arrivals=lay.arrivals,
-                    recv_rows=lay.recv_rows, finalize_base=lay.finalize_base,
+                    recv_rows=lay.recv_rows, local_rows=lay.local_rows,
+                    finalize_base=lay.finalize_base,
                     num_pairs=lay.num_pairs))
             else:
                 table = seg
@@ -267,11 +268,19 @@ class PreReducedCall(_Call):
                          else torch.empty(2, dtype=torch.int32, device=device))
         self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
         self.h = self.w2 = self.y = None
+        # Every slot the finalize reads, this rank's own included, is in the receive buffer
+        # (`_reduce_send_kernel` stores into it): no row is read from a local buffer.
+        self.split = ws.capacity_rows
+        self.local = None
         self.sent = False
         self._finalized = False
 
+    def _alloc_local(self) -> None:
+        """No local buffer: the GEMM2 stores into y (`_launch`), the sums into the receive
+        buffer."""
+
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
-                recv_ptrs: Optional[torch.Tensor] = None, index: bool = False) -> None:
+                local: Optional[torch.Tensor] = None, index: bool = False) -> None:
         """The GEMM into y (`_Call._launch` with every tile local and y as the only
         destination; no finalize index in it: `index` must be False, this mode's index is
         built when the call is prepared), then the pre-reduced send to every destination
@@ -282,10 +291,8 @@ class PreReducedCall(_Call):
         num_ranks = ws.num_ranks
         self.y = torch.empty(max(1, self.num_rows), self.hidden, dtype=self.dtype,
                              device=self.device)
-        if num_local:
-            y_ptrs = torch.full((num_ranks,), self.y.data_ptr(), dtype=torch.int64,
-                                device=self.device)
-            super()._launch(tiles, grid, 0, num_local, recv_ptrs=y_ptrs)
+        if num_local:  # (every tile is this rank's own: into y)
+            super()._launch(tiles, grid, 0, num_local, local=self.y)
         bt, bh = _send_block(self.gpu)
         if self.send_ctas:  # every destination in one launch (send order: remote first)
             _reduce_send(

@@ -50,17 +50,31 @@ def test_tiles_land_where_the_finalize_reads(tp, ep, routing):
             assert starts[expert] <= r0 < r1 <= starts[expert + 1] and r1 - r0 <= bm
             assert (rows.row_source[r0:r1] == dest).all()  # one source chunk per tile
             cover[r0:r1, n0 // bn] += 1
-            assert drow + (r1 - r0) <= layouts[dest].recv_rows[dest]
+            # Another rank's rows go into its receive buffer; this rank's own into the
+            # call's local buffer, which the finalize addresses after the receive buffer.
+            if dest == s:
+                assert drow + (r1 - r0) <= lay.local_rows
+                first = int(drow) + int(lay.recv_rows[s])
+            else:
+                assert drow + (r1 - r0) <= layouts[dest].recv_rows[dest]
+                first = int(drow)
             for i in range(r1 - r0):
-                key = (int(drow) + i, int(n0))
+                key = (first + i, int(n0))
                 ident = (s, int(rows.row_token[r0 + i]),
                          int(meta.ep_rank * meta.num_local_experts + expert))
                 assert recv[dest].setdefault(key, ident) == ident, "two rows, one place"
         assert (cover == 1).all()
+        # The local buffer's rows: exactly this rank's rows for its own tokens.
+        assert lay.local_rows == int(sum(r1 - r0 for _, r0, r1, n0, d, _ in tiles
+                                         if d == s and n0 == 0))
         # Arrivals: what every sender stores here, counted by the receiver.
         for g in range(r):
             sent = int((tiles[:, 4] == g).sum()) if g != s else 0
             assert layouts[g].arrivals[s] == sent
+    # Every rank's receive buffer and then its local buffer are filled densely.
+    for g, lay in enumerate(layouts):
+        used = sorted(row for row, n0 in recv[g] if n0 == 0)
+        assert used == list(range(int(lay.recv_rows[g]) + lay.local_rows))
     # The finalize index of every rank reads exactly its own pairs, once per TP sender.
     for g, (lay, rows) in enumerate(zip(layouts, all_rows)):
         index = contribution_rows(rows.meta, lay)  # [T, E, TP]
@@ -140,7 +154,8 @@ def test_slot_free_metadata_gives_the_same_layout(tp, ep):
             row_slot=None, dest_token_mask=None, tp_size=tp, tp_rank=rank % tp, ep_size=ep,
             ep_rank=rank // tp, topk=2, routing_map=maps[rank])
         a, b = direct_layout(full, 64, 16, 32), direct_layout(lite, 64, 16, 32)
-        for field in ("tiles_remote", "tiles_local", "arrivals", "recv_rows", "finalize_base"):
+        for field in ("tiles_remote", "tiles_local", "arrivals", "recv_rows", "local_rows",
+                      "finalize_base"):
             assert np.array_equal(getattr(a, field), getattr(b, field)), field
         assert lite.gather_index is None and lite.num_tokens == maps[rank].shape[0]
         h = torch.zeros(int(lite.tokens_per_local_expert.sum()), 8)
