@@ -539,7 +539,7 @@ HOST_STAGES = {
     "": ("route", "preprocess", "dispatch", "routed_experts_compute", "combine", "postprocess"),
     "token_dispatcher": ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
                          "combine_preprocess", "token_combine", "combine_postprocess",
-                         "prepare_combine", "gemm2_gatherrs_combine"),
+                         "prepare_combine", "combine_send", "combine_finish"),
     "experts": ("forward", "forward_fc1"),
 }
 """Methods timed by `host_breakdown`: {attribute of the layer ("" = the layer): names}."""

@@ -3,7 +3,10 @@
 One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
 
 * the receive buffer, [capacity_rows, H] in the op dtype, in symmetric memory (every rank
-  can store into every other rank's copy), one region reused by every call.
+  can store into every other rank's copy), one region reused by every call. In the direct
+  mode it holds only the rows other ranks send (a rank's own rows go to a per-call local
+  buffer, `ops.triton_gemm2_gatherrs`); in the pre-reduced mode one slot per source rank,
+  this rank's own included.
 * the signal counters, int64 [2R] in symmetric memory, never reset (so no reset can race a
   late increment):
   - arrivals, [0, R): counter s on rank g counts the GEMM2 tiles sender s stored into g's
@@ -17,17 +20,18 @@ One `GatherRSWorkspace` per (tp_ep process group, hidden size, dtype). It holds:
     almost never waits: between two calls lies the rest of the layer (or model).
 * this rank's count of finished finalize CTAs (int64, local), which tells a finalize CTA
   that it is its call's last.
-* the order of the calls: one buffer means a call's local rows are ordered after the
-  previous call's finalize by the stream alone, and peers wait for this rank's finalizes in
-  call order, so every call on a workspace is sent in the order it was prepared, on one
-  CUDA stream (`start_send` checks both). A call prepared but never run leaves its epoch
+* the order of the calls: peers wait for this rank's finalizes in call order, a finalize
+  finds out that it is its call's last from the running count of finalize CTAs, and a
+  pre-reduced call's own slot is ordered after the previous call's finalize by the stream
+  alone, so every call on a workspace is sent in the order it was prepared, on one CUDA
+  stream (`start_send` checks both). A call prepared but never run leaves its epoch
   taken on every rank: the workspace is then unusable (`poison`) and says so at once.
 * the local (non-symmetric) error record the kernels write on a timeout, and its pinned
   host copy, read asynchronously (`record_error_check`, `check_errors`).
 
 The capacity only grows, and only by a collective decision every rank makes alike: the rows
 each rank will receive are known on every rank from the exchanged routing counts
-(`GatherRSMetadata.recv_rows_per_rank`), so all ranks grow at the same call.
+(`GatherRSMetadata.routed_counts`), so all ranks grow at the same call.
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`) does the allocation and the
 exchange of peer addresses (its rendezvous). Without a process group (world 1, or the
@@ -133,9 +137,9 @@ class GatherRSWorkspace:
     def ensure_capacity(self, rows: int) -> None:
         """Grow the receive buffer to hold `rows` rows (collective when it grows).
 
-        Every rank must call this with the same `rows` (the maximum over ranks of
-        `recv_rows_per_rank`, or R x the largest token count in the pre-reduced mode, which
-        all ranks compute alike). The first allocation is exactly `rows` (fixed shapes, as in
+        Every rank must call this with the same `rows` (the maximum over ranks of the rows
+        each receives from the others, `DirectLayout.recv_rows`, or R x the largest token
+        count in the pre-reduced mode, which all ranks compute alike). The first allocation is exactly `rows` (fixed shapes, as in
         a prefill or training run at one sequence length, then never grow and carry no
         headroom: the buffer is the flag's main extra memory); a later growth takes 1/8 more
         than asked, so that slowly growing inputs reallocate rarely without doubling the
@@ -180,10 +184,11 @@ class GatherRSWorkspace:
     def start_send(self, epoch: int, stream) -> None:
         """Check that call `epoch` is sent next and on the workspace's stream.
 
-        One receive buffer serves every call: a call's local rows are ordered after the
-        previous call's finalize only by the stream, and a peer's producers wait for this
-        rank's finalizes in call order. So every call on a workspace must be sent in the
-        order the calls were prepared, on one CUDA stream (the first call's).
+        One receive buffer serves every call: a peer's producers wait for this rank's
+        finalizes in call order, the finalize CTAs are counted in launch order, and a
+        pre-reduced call's own slot is ordered after the previous call's finalize only by
+        the stream. So every call on a workspace must be sent in the order the calls were
+        prepared, on one CUDA stream (the first call's).
 
         Raises:
             RuntimeError: the workspace is unusable (`poison`), a call is sent out of order,

@@ -7,9 +7,9 @@ end):
 * `_gemm_scatter_kernel` (persistent): GEMM2 tiles y[r0:r1, n0:n0+BN] =
   h[r0:r1] @ w2[l, n0:n0+BN]^T of every local expert l (bf16/fp16 in, fp32 accumulation,
   TMA tensor-descriptor loads when rows are 16-byte aligned). The epilogue stores the tile
-  straight into the receive buffer of the rank its rows belong to: into this rank's own
-  buffer for its own tokens, over NVLink (peer stores through symmetric memory) for another
-  rank's. A tile's rows are one (local expert, source chunk) run, and the destination keeps
+  straight to where the rank its rows belong to sums them: into the call's local buffer for
+  this rank's own tokens, over NVLink into another rank's receive buffer (peer stores
+  through symmetric memory) for its tokens. A tile's rows are one (local expert, source chunk) run, and the destination keeps
   each sender's rows in the same order, so a tile lands as one contiguous block of rows.
   The SM partition: CTAs 0..k-1 (k = the plan's communication CTAs) take the remote-bound
   tiles first, the others the local tiles first, so NVLink traffic is spread over the GEMM
@@ -28,8 +28,9 @@ end):
 * `_finalize_kernel`: waits until every other rank's arrival counter reaches this call's
   target (acquire, system scope; targets are cumulative over calls, counters are never
   reset), then sums each token's rows (its top-k experts' outputs, times TP partials) in a
-  fixed order (expert ascending, then TP rank) into the output: deterministic. The rows of
-  each token come from the finalize index (`_index_block`: row = base[tp, e] + rank of the
+  fixed order (expert ascending, then TP rank) into the output: deterministic. Rows below
+  `split` (the rows other ranks sent) are read from the receive buffer, the others from the
+  call's local buffer. The rows of each token come from the finalize index (`_index_block`: row = base[tp, e] + rank of the
   token among expert e's tokens, from the routing map's per-block token counts, counted by
   `_block_count_block` when the call is prepared, and an in-block prefix sum), which the
   GEMM2 kernel's CTAs build after their tiles. The finalize's last CTA adds 1 to this

@@ -115,6 +115,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.metadata: Optional[GatherRSMetadata] = None
         self.plan: Optional[Plan] = None
         self._prepared = None  # a prepared Triton call (prepare_combine), or None
+        self._sent = None  # combine_send's call (Triton) or output (elsewhere), or None
         self._was_prepared = False
         self.num_plans = 0  # resource-manager calls so far (one per forward)
         self.last_combine = None  # what ran the last combine: "reference", "direct", "prereduced"
@@ -295,7 +296,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         `gemm2_gatherrs_combine` does it otherwise.
 
         Args:
-            h_like: the dispatched tokens (dtype, device and autograd state of FC1's output).
+            h_like: FC1's output h, or any tensor with its dtype, device and autograd state
+                (e.g. the dispatched tokens).
             w2: [L, H, F] FC2 weights of the local experts.
         """
         if self.metadata is None:
@@ -337,7 +339,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._was_prepared = True
 
     def gemm2_gatherrs_combine(self, h: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """FC2 + un-permute + top-k combine + TP reduce-scatter + EP return all-to-all.
+        """FC2 + un-permute + top-k combine + TP reduce-scatter + EP return all-to-all:
+        `combine_send` then `combine_finish`.
 
         Args:
             h: [N, F] FC1 output after activation and probs, in `dispatch_postprocess` order.
@@ -351,8 +354,17 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             RuntimeError: called before `dispatch_postprocess` (no metadata for this
                 forward), or a bounded GPU wait expired (see `gemm2_gatherrs`).
         """
+        self.combine_send(h, w2)
+        return self.combine_finish()
+
+    def combine_send(self, h: torch.Tensor, w2: torch.Tensor) -> None:
+        """The first half of `gemm2_gatherrs_combine` (same arguments and errors): on the
+        Triton path, the GEMM2 + scatter is queued and the call keeps no reference to h,
+        so a caller that lets go of h too (`GatherRSMoELayer` does) frees its memory for
+        the combine's output (allocated by `combine_finish`); elsewhere the whole combine
+        runs here. Call `combine_finish` next."""
         if self.metadata is None:
-            raise RuntimeError("gemm2_gatherrs_combine called before dispatch_postprocess")
+            raise RuntimeError("combine_send called before dispatch_postprocess")
         if not self._was_prepared:
             self.prepare_combine(h, w2)
         prepared, self._prepared, self._was_prepared = self._prepared, None, False
@@ -362,11 +374,26 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 # Prepared by prepare_combine for this very metadata: run it (it checks h
                 # and w2 against what it was prepared for) without gemm2_gatherrs's
                 # argument checks, which hold by construction here.
-                out = prepared.run(h, w2)
+                prepared.send(h, w2, keep_operands=False)
+                self._sent = prepared
             else:
-                out = gemm2_gatherrs(h, w2, self.metadata, group=group, options=self.options,
-                                     plan=self.plan, prepared=None)
+                self._sent = gemm2_gatherrs(h, w2, self.metadata, group=group,
+                                            options=self.options, plan=self.plan,
+                                            prepared=None)
         self.metadata = None
+
+    def combine_finish(self) -> torch.Tensor:
+        """The second half of `gemm2_gatherrs_combine`: the finalize of the call that
+        `combine_send` queued; returns what `gemm2_gatherrs_combine` returns.
+
+        Raises:
+            RuntimeError: no `combine_send` before, or a bounded GPU wait expired.
+        """
+        sent, self._sent = self._sent, None
+        if sent is None:
+            raise RuntimeError("combine_finish called without a combine_send before it")
+        with span("mo.gemm2_gatherrs"):
+            out = sent if isinstance(sent, torch.Tensor) else sent.finish()
         return out.view(self.hidden_shape)
 
     def combine_preprocess(self, hidden_states):

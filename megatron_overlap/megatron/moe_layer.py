@@ -57,11 +57,17 @@ class GatherRSMoELayer(MoELayer):
             )
         with span("mo.fc1"):
             h = self.experts.forward_fc1(dispatched_input, tokens_per_expert, permuted_probs)
+        # FC1's inputs are not needed any more (autograd keeps what it saved): their memory
+        # is free for the combine's buffers, as h's is for its output once the GEMM2 is
+        # queued. (Megatron's layer holds both until its experts return.)
+        del dispatched_input, permuted_probs
         w2 = self.experts.fc2_weight()
         # Plan + host work of the fused op after FC1 is enqueued: the host prepares while the
         # GPU runs FC1 (before FC1, the GPU would idle: the dispatch ends with a host sync).
-        self.token_dispatcher.prepare_combine(dispatched_input, w2)
-        output = self.token_dispatcher.gemm2_gatherrs_combine(h, w2)
+        self.token_dispatcher.prepare_combine(h, w2)
+        self.token_dispatcher.combine_send(h, w2)
+        del h
+        output = self.token_dispatcher.combine_finish()
         return output, None
 
     def combine(self, output):

@@ -3,12 +3,17 @@
 Shape symbols as in `megatron_overlap.metadata`; BM x BN is the GEMM2 output tile.
 
 Row layout ("direct"): every (token, expert) row is summed where its token lives. The
-receive buffer of rank g holds, for every sender s of the tp_ep group in group order, a
-block of `pairs(g, ep(s))` rows: g's routed (token, expert) pairs with an expert on s's EP
-rank, in g's permute order (expert-major, token ascending) -- the order in which s's rows of
-source chunk g already are. So sender s stores rows [r0, r1) of (expert l, chunk of g) at
-`offset(g, s) + (rows of experts < l in that chunk) + (r0 - chunk start)`. Everything is
-known on every rank from the exchanged tokens-per-expert counts (`meta.routed_counts`).
+symmetric receive buffer of rank g holds, for every other sender s of the tp_ep group in
+group order, a block of `pairs(g, ep(s))` rows: g's routed (token, expert) pairs with an
+expert on s's EP rank, in g's permute order (expert-major, token ascending) -- the order in
+which s's rows of source chunk g already are. So sender s stores rows [r0, r1) of (expert
+l, chunk of g) at `offset(g, s) + (rows of experts < l in that chunk) + (r0 - chunk
+start)`. g's own block (s = g) is not in the receive buffer: g's GEMM2 stores it into the
+call's local buffer (a transient [local_rows, H], from row 0), and g's finalize reads row
+i >= recv_rows[g] there as row i - recv_rows[g]. The symmetric buffer, held for the whole
+run, so carries only rows that travel (at EP = 2 with uniform routing, half the rows).
+Everything is known on every rank from the exchanged tokens-per-expert counts
+(`meta.routed_counts`).
 
 Per call, on this rank (DESIGN.md §3):
   1. host: the segments (`direct_layout`: one per destination and local expert, remote
@@ -693,7 +698,9 @@ class _Call:
         # reads none.
         self.counters = (None if self.tile.static
                          else torch.empty(2, dtype=torch.int32, device=device))
-        self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
+        # [T, H], allocated by the first finalize: by then a caller that let go of h (`send`'s
+        # keep_operands) has freed h, whose memory the output can take.
+        self.out = None
         # The finalize reads rows from `split` on from the local buffer (`send` allocates it:
         # this rank's own rows, which stay out of the symmetric receive buffer).
         self.split = int(lay.recv_rows[self.rank])
@@ -736,8 +743,15 @@ class _Call:
         self.send(h, w2)
         return self.finish()
 
-    def send(self, h: torch.Tensor, w2: torch.Tensor) -> None:
+    def send(self, h: torch.Tensor, w2: torch.Tensor, keep_operands: bool = True) -> None:
         """Launch the GEMM2 + scatter kernel on h [N, F] and w2 [L, H, F].
+
+        keep_operands: False drops the call's references to h and w2 once the GEMM2 is
+            queued, so that h's memory is free for the finalize's output as soon as the
+            caller lets go of it too (the Megatron layer does: it needs h no more). h must
+            then have been allocated on the current stream (the caching allocator reuses
+            its memory only for work queued after the GEMM2 there); `gemm_only` is then not
+            available.
 
         Raises:
             RuntimeError: called twice; sent out of prepare order or on another stream than
@@ -786,6 +800,8 @@ class _Call:
             if ws.group is not None:
                 dist.barrier(group=ws.group)
             ws.compiled.add(key)
+        if not keep_operands:
+            self.h = self.w2 = None
 
     def _alloc_local(self) -> None:
         """The call's local buffer: [local_rows, H] (at least one row), this rank's GEMM2
@@ -802,6 +818,8 @@ class _Call:
         `finish` (uses this call's tables and operands); does not touch the epochs."""
         if not self.sent:
             raise RuntimeError("gemm_only needs a call that was run")
+        if self.h is None:
+            raise RuntimeError("gemm_only needs the operands: send(..., keep_operands=True)")
         tiles = self.tiles.clone()
         self._fence_slot()
         tiles[:, 4] = self.rank
@@ -873,6 +891,9 @@ class _Call:
         self.launch_index()
         bt, bh = FINALIZE_BLOCK if self.gpu else (8, 16)
         grid = (max(1, -(-meta.num_tokens // bt)), -(-self.hidden // bh))
+        if self.out is None:
+            self.out = torch.empty(meta.num_tokens, self.hidden, dtype=self.dtype,
+                                   device=self.device)
         signal_free = not self._finalized
         last_done = ws.add_finalize_ctas(grid[0] * grid[1]) - 1 if signal_free else 0
         _finalize(

@@ -266,7 +266,7 @@ class PreReducedCall(_Call):
         # Claim counters of the dynamic schedule (as `_Call`); the static one reads none.
         self.counters = (None if self.tile.static
                          else torch.empty(2, dtype=torch.int32, device=device))
-        self.out = torch.empty(meta.num_tokens, hidden, dtype=dtype, device=device)
+        self.out = None  # allocated by the first finalize, as `_Call`'s
         self.h = self.w2 = self.y = None
         # Every slot the finalize reads, this rank's own included, is in the receive buffer
         # (`_reduce_send_kernel` stores into it): no row is read from a local buffer.
