@@ -10,6 +10,10 @@ them, interleaved in one run (CUDA events, median), outputs checked against each
                 points into the local buffer for local rows
 
 Usage: python launch/bench_finalize.py [--iters 20]   (CUDA; no process group)
+       TRITON_INTERPRET=1 python launch/bench_finalize.py --tiny   (the check alone, CPU)
+
+Measured (1x H200, docs/perf_notes.md v5.0): two-loads up to 1.7x one-buffer (16 rows per
+token), row-select and delta within 1-2 % of it.
 """
 
 from __future__ import annotations
@@ -57,56 +61,91 @@ def _sum_rows(recv_ptr, local_ptr, split, delta, index_ptr, out_ptr, num_tokens,
              acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
 
 
-def main() -> None:
+SHAPES = [("qwen3 tp2 32768", 16384, 16, 2048), ("qwen3 ep2 32768", 32768, 8, 2048),
+          ("qwen1.5 ep2 32768", 32768, 4, 2048), ("phi ep2 8192", 8192, 2, 4096)]
+"""(name, tokens, rows per token C = top-k x TP, hidden H): the finalize's shapes per rank
+of the GPU grid's largest fine-grained cells."""
+
+MODES = ("one-buffer", "two-loads", "row-select", "delta")
+
+
+def run_modes(tokens: int, slots: int, hidden: int, device: torch.device, iters: int = 0,
+              seed: int = 0):
+    """The four ways (`MODES`) on random rows, half in each buffer, a random index without
+    empty slots: (whether every way's output equals one-buffer's bit for bit, median ms per
+    way (empty list for iters=0), (registers, spills) per way on CUDA, else None).
+
+    Raises:
+        ValueError: a size < 1 or iters < 0.
+    """
+    if min(tokens, slots, hidden) < 1 or iters < 0:
+        raise ValueError(f"tokens={tokens}, slots={slots}, hidden={hidden}, iters={iters}: "
+                         "expected sizes >= 1 and iters >= 0")
+    gen = torch.Generator().manual_seed(seed)
+    rows = tokens * slots
+    split = rows // 2  # the first half of the rows in the receive buffer, the rest local
+    all_rows = torch.randn(rows, hidden, generator=gen).to(device, torch.bfloat16)
+    recv = all_rows[:split].clone()
+    local = all_rows[split:].clone()
+    index = torch.randperm(rows, generator=gen).to(device, torch.int32).view(tokens, slots)
+    # local row i - split, counted from the receive buffer's base (elements)
+    delta = (local.data_ptr() - recv.data_ptr()) // all_rows.element_size() - split * hidden
+    outs = [torch.empty(tokens, hidden, device=device, dtype=torch.bfloat16) for _ in MODES]
+    gpu = device.type == "cuda"
+    bt, bh = (32, 128) if gpu else (8, 16)
+    grid = (triton.cdiv(tokens, bt), triton.cdiv(hidden, bh))
+
+    def launch(mode):
+        src = all_rows if mode == 0 else recv
+        return _sum_rows[grid](src, local, split if mode else rows, delta, index, outs[mode],
+                               tokens, hidden, C=slots, BT=bt, BH=bh, MODE=mode, num_warps=4)
+
+    handles = [launch(mode) for mode in range(len(MODES))]
+    regs = [(h.n_regs, h.n_spills) for h in handles] if gpu else None
+    agree = all(torch.equal(out, outs[0]) for out in outs[1:])
+    times = [[] for _ in MODES]
+    flush = torch.empty(512 * 2**20 if gpu else 1, dtype=torch.int8, device=device)
+    for _ in range(iters if gpu else 0):
+        for mode in range(len(MODES)):
+            flush.zero_()  # the rows come from HBM, not from L2
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            launch(mode)
+            end.record()
+            end.synchronize()
+            times[mode].append(start.elapsed_time(end))
+    return agree, [statistics.median(t) for t in times if t], regs
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    # (name, tokens, slots per token C = top-k x TP, hidden)
-    shapes = [("qwen3 tp2 32768", 16384, 16, 2048), ("qwen3 ep2 32768", 32768, 8, 2048),
-              ("qwen1.5 ep2 32768", 32768, 4, 2048), ("phi ep2 8192", 8192, 2, 4096)]
-    print("| shape | one-buffer ms | two-loads | row-select | delta | GB/s one-buffer | "
-          "registers/spills per mode |")
-    print("|---|---|---|---|---|---|---|")
-    for name, T, C, H in shapes:
-        rows = T * C
-        split = rows // 2  # half the rows remote, half local
-        all_rows = torch.randn(rows, H, device=dev, dtype=torch.bfloat16)
-        recv = all_rows[:split].clone()
-        local = all_rows[split:].clone()
-        index = torch.randperm(rows, device=dev, dtype=torch.int64).to(torch.int32).view(T, C)
-        delta = (local.data_ptr() - recv.data_ptr()) // 2 - split * H
-        outs = [torch.empty(T, H, device=dev, dtype=torch.bfloat16) for _ in range(4)]
-        grid = (triton.cdiv(T, 32), triton.cdiv(H, 128))
-
-        def launch(mode, out):
-            src = all_rows if mode == 0 else recv
-            return _sum_rows[grid](src, local, split if mode else rows, delta, index, out, T, H,
-                            C=C, BT=32, BH=128, MODE=mode, num_warps=4)
-
-        handles = [launch(mode, outs[mode]) for mode in range(4)]
-        regs = " ".join(f"{h.n_regs}/{h.n_spills}" for h in handles)
-        torch.cuda.synchronize()
-        for mode in range(1, 4):
-            assert torch.equal(outs[mode], outs[0]), (name, mode)
-        flush = torch.empty(512 * 2**20, dtype=torch.int8, device=dev)
-        times = [[] for _ in range(4)]
-        for _ in range(args.iters):
-            for mode in range(4):
-                flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                launch(mode, outs[mode])
-                end.record()
-                end.synchronize()
-                times[mode].append(start.elapsed_time(end))
-        med = [statistics.median(t) for t in times]
-        gbs = (rows * H * 2 + T * H * 2) / med[0] / 1e6
-        print(f"| {name} | {med[0]:.3f} | {med[1]:.3f} | {med[2]:.3f} | {med[3]:.3f} | "
-              f"{gbs:.0f} | {regs} |")
+    parser.add_argument("--iters", type=int, default=20,
+                        help="timed rounds (every way once a round; default 20)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="one small shape, no timing: the agreement check alone (CPU: "
+                             "run under TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
+    if args.iters < 1:
+        parser.error(f"--iters {args.iters}: expected an integer >= 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        agree, _, _ = run_modes(6, 3, 48, device)
+        print(f"tiny: {'agree' if agree else 'DIFFER'}")
+        return 0 if agree else 1
+    if device.type != "cuda":
+        parser.error("timing needs CUDA (--tiny checks the agreement on the CPU)")
+    print("| shape | " + " | ".join(f"{m} ms" for m in MODES)
+          + " | GB/s one-buffer | registers/spills per way |")
+    print("|---" * (len(MODES) + 3) + "|")
+    ok = True
+    for name, tokens, slots, hidden in SHAPES:
+        agree, med, regs = run_modes(tokens, slots, hidden, device, args.iters)
+        ok &= agree
+        gbs = (tokens * slots + tokens) * hidden * 2 / med[0] / 1e6
+        print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in med) + f" | {gbs:.0f} | "
+              + " ".join(f"{r}/{sp}" for r, sp in regs) + (" |" if agree else " | DIFFER |"))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
