@@ -139,11 +139,11 @@ class GatherRSWorkspace:
 
         Every rank must call this with the same `rows` (the maximum over ranks of the rows
         each receives from the others, `DirectLayout.recv_rows`, or R x the largest token
-        count in the pre-reduced mode, which all ranks compute alike). The first allocation is exactly `rows` (fixed shapes, as in
-        a prefill or training run at one sequence length, then never grow and carry no
-        headroom: the buffer is the flag's main extra memory); a later growth takes 1/8 more
-        than asked, so that slowly growing inputs reallocate rarely without doubling the
-        memory.
+        count in the pre-reduced mode, which all ranks compute alike). The first allocation
+        is exactly `rows` (fixed shapes, as in a prefill or training run at one sequence
+        length, then never grow and carry no headroom: the buffer is the flag's main extra
+        memory); a later growth takes 1/8 more than asked, so that slowly growing inputs
+        reallocate rarely without doubling the memory.
 
         Raises:
             ValueError: rows < 0, or more rows than a fixed-capacity workspace

@@ -9,8 +9,9 @@ end):
   TMA tensor-descriptor loads when rows are 16-byte aligned). The epilogue stores the tile
   straight to where the rank its rows belong to sums them: into the call's local buffer for
   this rank's own tokens, over NVLink into another rank's receive buffer (peer stores
-  through symmetric memory) for its tokens. A tile's rows are one (local expert, source chunk) run, and the destination keeps
-  each sender's rows in the same order, so a tile lands as one contiguous block of rows.
+  through symmetric memory) for its tokens. A tile's rows are one (local expert, source
+  chunk) run, and the destination keeps each sender's rows in the same order, so a tile
+  lands as one contiguous block of rows.
   The SM partition: CTAs 0..k-1 (k = the plan's communication CTAs) take the remote-bound
   tiles first, the others the local tiles first, so NVLink traffic is spread over the GEMM
   instead of bunched at its start; either side takes the other's tiles when its own run out.
@@ -30,12 +31,12 @@ end):
   reset), then sums each token's rows (its top-k experts' outputs, times TP partials) in a
   fixed order (expert ascending, then TP rank) into the output: deterministic. Rows below
   `split` (the rows other ranks sent) are read from the receive buffer, the others from the
-  call's local buffer. The rows of each token come from the finalize index (`_index_block`: row = base[tp, e] + rank of the
-  token among expert e's tokens, from the routing map's per-block token counts, counted by
-  `_block_count_block` when the call is prepared, and an in-block prefix sum), which the
-  GEMM2 kernel's CTAs build after their tiles. The finalize's last CTA adds 1 to this
-  rank's finalize count on every other rank (release, system scope): the buffer is free
-  for the next call.
+  call's local buffer. The rows of each token come from the finalize index (`_index_block`:
+  row = base[tp, e] + rank of the token among expert e's tokens, from the routing map's
+  per-block token counts, counted by `_block_count_block` when the call is prepared, and an
+  in-block prefix sum), which the GEMM2 kernel's CTAs build after their tiles. The
+  finalize's last CTA adds 1 to this rank's finalize count on every other rank (release,
+  system scope): the buffer is free for the next call.
 
 In the default (direct) layout no pre-reduction happens before the rows travel: every
 (token, expert) row is stored once,

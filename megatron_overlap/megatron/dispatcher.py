@@ -362,9 +362,21 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         Triton path, the GEMM2 + scatter is queued and the call keeps no reference to h,
         so a caller that lets go of h too (`GatherRSMoELayer` does) frees its memory for
         the combine's output (allocated by `combine_finish`); elsewhere the whole combine
-        runs here. Call `combine_finish` next."""
+        runs here. Call `combine_finish` next.
+
+        Raises (besides `gemm2_gatherrs_combine`'s): RuntimeError when the previous
+        `combine_send` was not followed by `combine_finish` (that call's workspace is then
+        unusable: its peers wait for a finalize that will not run)."""
         if self.metadata is None:
             raise RuntimeError("combine_send called before dispatch_postprocess")
+        if self._sent is not None:
+            pending, self._sent = self._sent, None
+            reason = ("combine_send called again before combine_finish: the previous "
+                      "forward's combine was never finished")
+            if not isinstance(pending, torch.Tensor):
+                # Its finalize never ran: the peers would wait for this rank's buffer.
+                pending.ws.poison(reason)
+            raise RuntimeError(reason)
         if not self._was_prepared:
             self.prepare_combine(h, w2)
         prepared, self._prepared, self._was_prepared = self._prepared, None, False

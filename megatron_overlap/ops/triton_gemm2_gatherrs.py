@@ -813,7 +813,7 @@ class _Call:
                                  device=self.device)
 
     def gemm_only(self, grid: Optional[int] = None) -> None:
-        """The GEMM2 tiles alone, every tile stored into this rank's own buffer and no
+        """The GEMM2 tiles alone, every tile stored into a scratch buffer of this rank and no
         signal sent (communication off): the benchmark's producer timing. Only after
         `finish` (uses this call's tables and operands); does not touch the epochs."""
         if not self.sent:
@@ -823,10 +823,10 @@ class _Call:
         tiles = self.tiles.clone()
         self._fence_slot()
         tiles[:, 4] = self.rank
-        # Into a scratch copy of this rank's buffer: peers may already store the next call's
-        # rows into the real one (they wait only for this rank's finalize).
-        # (every tile is this rank's now, so it goes to the local buffer's place: rows up to
-        # the larger of the two buffers)
+        # Into a scratch buffer, not the receive buffer (peers may already store the next
+        # call's rows there: they wait only for this rank's finalize) nor the local one (the
+        # call's output reads it): every tile is this rank's now, stored at its row in its
+        # destination's buffer, so the scratch has the rows of the larger of the two.
         if getattr(self, "_scratch", None) is None:
             rows = max(self.ws.capacity_rows, self.layout.local_rows, 1)
             self._scratch = torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
@@ -898,13 +898,17 @@ class _Call:
         last_done = ws.add_finalize_ctas(grid[0] * grid[1]) - 1 if signal_free else 0
         _finalize(
             grid, ws.recv, ws.recv if self.local is None else self.local, self.split,
-            self.index, self.out, ws.signals,
-            ws.peer_signal_ptrs, self.targets, ws.finalize_done, last_done, meta.num_tokens, self.hidden, ws.num_ranks, self.rank,
+            self.index, self.out, ws.signals, ws.peer_signal_ptrs, self.targets,
+            ws.finalize_done, last_done, meta.num_tokens, self.hidden, ws.num_ranks, self.rank,
             self.timeout, ws.error, C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu,
             SIGNAL_FREE=signal_free, num_warps=4,
         )
         self._stream = torch.cuda.current_stream(self.device) if self.gpu else None
         self._fence_slot(self._stream)
+        if self.gpu and self.local is not None and self._stream != ws.stream:
+            # Read here on another stream than the one it was allocated on: the caching
+            # allocator must not hand it out again before this finalize is done.
+            self.local.record_stream(self._stream)
         self._finalized = True
 
     def finish(self, sync_errors: bool = False) -> torch.Tensor:

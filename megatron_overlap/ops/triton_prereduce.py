@@ -27,7 +27,8 @@ Per call, on rank `me` of the tp_ep group (R ranks, T_d tokens on rank d):
   4. finish: `_finalize_kernel` sums the R slots of each token in group-rank order
      (deterministic), then signals "buffer free" as in the direct layout.
 
-The receive buffer holds R x max_d T_d rows (the direct layout: top-k x TP x T rows), y is
+The receive buffer holds R x max_d T_d rows, this rank's own slot included (the direct
+layout: the top-k x TP x T rows less the rank's own block, which a local buffer holds), y is
 a transient [N, H] like Megatron's FC2 output. The communication no longer overlaps the
 GEMM (the reduction needs a token's rows from every local expert); the plan's SM partition
 is not used. Needs every rank's routing map (`gemm2_gatherrs.gather_routing_maps`).

@@ -416,3 +416,56 @@ def test_cpp_and_python_mode_times_are_bit_identical():
                 int(rng.integers(1, 1 << 31)), 128, int(rng.choice([64, 256])),
                 float(rng.uniform(1, 900)), float(rng.uniform(500, 5000)))
         assert cpp.mode_times(*args) == twin.mode_times(*args), args
+
+
+def test_dispatcher_combine_send_and_finish_pair_up():
+    """`combine_send` / `combine_finish` alone (collaborators stubbed): the prepared call is
+    sent without keeping h, finished by `combine_finish` into the layer's shape; a finish
+    without a send, and a second send before the finish, raise, and the latter poisons the
+    pending call's workspace (its peers would wait for a finalize that never runs)."""
+    import types
+
+    import torch
+
+    pytest.importorskip("megatron.core")
+    from megatron_overlap.megatron import dispatcher as d
+
+    log = []
+
+    class Call:
+        def __init__(self):
+            self.ws = types.SimpleNamespace(poisoned=None)
+            self.ws.poison = lambda reason: setattr(self.ws, "poisoned", reason)
+
+        def send(self, h, w2, keep_operands=True):
+            log.append(("send", keep_operands))
+
+        def finish(self):
+            log.append(("finish",))
+            return torch.arange(6.0)
+
+    D = d.GatherRSAlltoAllTokenDispatcher
+    fake = types.SimpleNamespace(_sent=None, _was_prepared=True, tp_ep_group=None,
+                                 hidden_shape=(3, 1, 2), options=None, plan=None)
+
+    def forward():
+        fake.metadata = types.SimpleNamespace(group_size=1)
+        fake._prepared = Call()
+        return fake._prepared
+
+    with pytest.raises(RuntimeError, match="without a combine_send"):
+        D.combine_finish(fake)
+    forward()
+    D.combine_send(fake, torch.zeros(2, 4), torch.zeros(1, 2, 4))
+    assert log == [("send", False)] and fake.metadata is None and fake._prepared is None
+    out = D.combine_finish(fake)
+    assert out.shape == (3, 1, 2) and log[-1] == ("finish",) and fake._sent is None
+    first = forward()
+    fake._was_prepared = True
+    D.combine_send(fake, torch.zeros(2, 4), torch.zeros(1, 2, 4))
+    forward()
+    fake._was_prepared = True
+    with pytest.raises(RuntimeError, match="again before combine_finish"):
+        D.combine_send(fake, torch.zeros(2, 4), torch.zeros(1, 2, 4))
+    assert first.ws.poisoned and "never finished" in first.ws.poisoned
+    assert fake._sent is None

@@ -244,6 +244,16 @@ def _simulate() -> dict:
                 (Plan(num_comm_ctas=1, num_ctas=3, source="test"), INTERPRETER_TILE),
                 (Plan(num_comm_ctas=2, num_ctas=3, source="test"),
                  dataclasses.replace(INTERPRETER_TILE, static=False))]
+    # Every buffer a finalize may read starts as NaN (the receive buffers before each case,
+    # each call's local buffer when it is allocated): a row read from the wrong buffer, or
+    # never written, shows in the output.
+    alloc_local = _Call._alloc_local
+
+    def poisoned_local(call):
+        alloc_local(call)
+        call.local.fill_(float("nan"))
+
+    _Call._alloc_local = poisoned_local
     report, spaces = {}, {}
     for n, case in enumerate(_cases()):
         call_plan, tile = variants[n % len(variants)]
@@ -252,6 +262,8 @@ def _simulate() -> dict:
             spaces[(case.tp, case.ep)] = local_workspaces(
                 r, hidden=case.hidden, dtype=case.dtype, device="cpu", capacity_rows=256)
         ws = spaces[(case.tp, case.ep)]
+        for w in ws:
+            w.recv.fill_(float("nan"))
         operands = [rank_operands(case, g) for g in range(r)]
         calls = [_Call(meta, ws[g], call_plan, hidden=w2.shape[1], dtype=h.dtype,
                        device=h.device, timeout_s=30.0, tile=tile)
@@ -259,10 +271,16 @@ def _simulate() -> dict:
         keep = n % 2 == 0  # (the Megatron layer's calls let go of h and w2 once sent)
         for call, (h, w2, _) in zip(calls, operands):
             call.send(h, w2, keep_operands=keep)
+        if any(call.out is not None for call in calls):
+            report[f"{case} output"] = "output allocated before the finalize"
         outs = [call.finish() for call in calls]
         calls[0].finalize()  # a repeated finalize sums again but must not signal again
-        if not keep and calls[0].h is not None:
-            report[f"{case} operands"] = "send(keep_operands=False) kept h"
+        if not keep:
+            try:
+                calls[0].gemm_only()
+                report[f"{case} operands"] = "gemm_only ran without the operands"
+            except RuntimeError:
+                pass
         for g, out in enumerate(outs):
             key = f"{case} rank {g}"
             report[key] = describe_mismatch(out, dense_output(case, g), rel_tol=1e-5)
