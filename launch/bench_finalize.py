@@ -19,6 +19,7 @@ token), row-select and delta within 1-2 % of it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -128,6 +129,9 @@ def main(argv=None) -> int:
     if args.iters < 1:
         parser.error(f"--iters {args.iters}: expected an integer >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("no CUDA device: on the CPU run the check under Triton's interpreter, "
+                     "TRITON_INTERPRET=1 python launch/bench_finalize.py --tiny")
     if args.tiny:
         agree, _, _ = run_modes(6, 3, 48, device)
         print(f"tiny: {'agree' if agree else 'DIFFER'}")

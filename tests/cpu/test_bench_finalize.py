@@ -33,3 +33,5 @@ def test_bad_arguments():
     if not torch.cuda.is_available():
         proc = _run()  # timing without CUDA
         assert proc.returncode == 2 and "timing needs CUDA" in proc.stderr, proc.stderr
+        proc = _run("--tiny", interpret=False)  # the check without the interpreter
+        assert proc.returncode == 2 and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr
