@@ -81,7 +81,12 @@ from prefill import (
     init_process_group,
 )
 
-from megatron_overlap.bench.cli import check_launch_inputs, parse_layout
+from megatron_overlap.bench.cli import (
+    HostMemoryError,
+    check_host_memory,
+    check_launch_inputs,
+    parse_layout,
+)
 from megatron_overlap.config import (
     BIAS_ACTIVATION_FUSION_ARGUMENT,
     FC1_IMPL_ARGUMENT,
@@ -955,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_launch_env()
     try:
         arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
-        from megatron_overlap.models import load_model_shape
+        from megatron_overlap.models import approx_param_count, load_model_shape
 
         check_launch_inputs(args.out)
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
@@ -963,8 +968,17 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             for tp, ep in run.layouts:
                 check_shape(shape, tp, ep, run.seq_lengths)
+            if run.device == "cpu":  # one MoE layer per variant ("on" and the baselines)
+                from megatron_overlap.bench.baselines import te_unavailable_reason
+
+                built = [b for b in run.baselines
+                         if b != "off-te" or te_unavailable_reason() is None]
+                check_host_memory(
+                    approx_param_count(shape, moe_layer_only=True) * (4 if run.dtype == "fp32"
+                                                                      else 2),
+                    len(built) + 1, f"{shape.name} MoE layer")
         device = init_process_group(run.device)
-    except (ValueError, ImportError) as err:
+    except (ValueError, ImportError, HostMemoryError) as err:
         return _usage_error(parser, str(err))
     try:
         return benchmark(run, shapes, device)

@@ -65,6 +65,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without `pip install`
 
 from megatron_overlap.bench.cli import (  # noqa: E402
+    HostMemoryError,
+    check_host_memory,
     check_launch_inputs,
     non_negative_int,
     positive_int,
@@ -1488,16 +1490,20 @@ def main(argv: list[str] | None = None) -> int:
     ensure_launch_env()
     try:
         arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
-        from megatron_overlap.models import load_model_shape
+        from megatron_overlap.models import approx_param_count, load_model_shape
 
         check_launch_inputs(args.out)
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
         shapes = [load_model_shape(name) for name in run.models]
         for shape in shapes:
-            num_layers_for(shape, run)  # checks --num-layers / --num-moe-layers
+            layers = num_layers_for(shape, run)  # checks --num-layers / --num-moe-layers
             check_shape(shape, run)
+            if run.device == "cpu":  # one model per variant ("on" and the baselines)
+                check_host_memory(
+                    approx_param_count(shape, layers) * (4 if run.dtype == "fp32" else 2),
+                    len(run.baselines) + 1, f"{shape.name}, {layers} layers")
         device = init_process_group(run.device)
-    except (ValueError, ImportError) as err:
+    except (ValueError, ImportError, HostMemoryError) as err:
         return _usage_error(parser, str(err))
     try:
         return benchmark(run, shapes, device)

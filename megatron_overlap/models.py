@@ -196,6 +196,36 @@ _OPTIONAL_FIELDS = tuple(
 )
 
 
+def approx_param_count(shape: ModelShape, num_layers: int | None = None, *,
+                       moe_layer_only: bool = False) -> int:
+    """Parameters of a `GPTModel` with this shape and `num_layers` layers (default: the
+    shape's; the first `first_k_dense_layers` dense, the rest MoE), or of one MoE layer
+    alone (`moe_layer_only`: router, routed and shared experts). An estimate for sizing
+    (within a few % for the shipped shapes): the weight matrices (gated FFNs: 3 matrices
+    of H x width; attention: Q, K, V and the output projection; untied input and output
+    embeddings), norms and biases left out; MLA counted as the plain attention this package
+    builds.
+
+    Raises:
+        ValueError: num_layers < 1.
+    """
+    layers = shape.num_layers if num_layers is None else num_layers
+    if layers < 1:
+        raise ValueError(f"num_layers={layers}: expected >= 1")
+    h = shape.hidden_size
+    moe = (shape.num_moe_experts * 3 * h * shape.moe_ffn_hidden_size
+           + shape.num_moe_experts * h
+           + 3 * h * (shape.moe_shared_expert_intermediate_size or 0))
+    if moe_layer_only:
+        return moe
+    hd = shape.head_dim
+    attention = (h * shape.num_attention_heads * hd * 2
+                 + h * shape.num_query_groups * hd * 2)
+    dense = min(shape.first_k_dense_layers, layers)
+    return (2 * shape.vocab_size * h + layers * attention
+            + dense * 3 * h * shape.ffn_hidden_size + (layers - dense) * moe)
+
+
 def _check_positive_int(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{key}={value!r}: expected a positive integer")

@@ -179,6 +179,56 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
             raise ValueError(f"{flag} {out!r} is a directory: give a file path")
 
 
+def available_host_bytes() -> int | None:
+    """Host memory available for new allocations (Linux `/proc/meminfo` MemAvailable), in
+    bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class HostMemoryError(MemoryError):
+    """`check_host_memory`'s refusal (the launchers report it as a usage error)."""
+
+
+def check_host_memory(param_bytes: int, copies: int, what: str,
+                      available: int | None = None) -> None:
+    """Before a CPU run builds `copies` copies of a model of `param_bytes` of parameters
+    (one per variant, summed over the host's ranks): refuse when they would not fit in the
+    host memory available now, instead of letting the OS's out-of-memory killer end the
+    run without a word. One copy more is counted for the transient of building them
+    (Megatron's initialisation held about twice the parameters of the model it built, on
+    the dev CPU: mixtral-8x7b with 2 layers, 12.7 GB of fp32 parameters, reached 24 GB).
+
+    Args:
+        param_bytes: bytes of one copy's parameters (e.g. `models.approx_param_count` x the
+            dtype's size).
+        copies: copies the run builds.
+        what: names the model in the message (e.g. "mixtral-8x7b, 2 layers").
+        available: bytes available (default `available_host_bytes()`; None: no check).
+
+    Raises:
+        HostMemoryError: they need more than 90 % of the available memory (names both).
+    """
+    if available is None:
+        available = available_host_bytes()
+    if available is None or copies <= 0:
+        return
+    need = param_bytes * (copies + 1)
+    if need > 0.9 * available:
+        gib = 2**30
+        raise HostMemoryError(
+            f"{what}: {copies} copies of its ~{param_bytes / gib:.1f} GiB of parameters (one "
+            f"per variant) and their build need ~{need / gib:.1f} GiB of host memory, "
+            f"{available / gib:.1f} GiB are available; on the CPU use a smaller model "
+            "(e.g. --model tiny), fewer layers, or a GPU")
+
+
 def json_rows(path: str) -> Iterator[Tuple[int, object]]:
     """(line number, parsed value) of every non-blank line of a .jsonl file.
 

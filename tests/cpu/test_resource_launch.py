@@ -235,3 +235,56 @@ def test_trace_summary_skips_non_events_and_names_bad_times(tmp_path):
     assert "-- CUDA API calls (runtime and driver) by host time" in text
     assert "cuLaunchKernel" in text
     assert "      50    2       40  cudaStreamSynchronize" in text
+
+
+def test_check_host_memory_refuses_copies_that_do_not_fit():
+    """The launchers' CPU guard: copies of a model's parameters (plus one for the build)
+    that would not fit in the available host memory are refused with the numbers named,
+    instead of the OS killing the run; `approx_param_count` sizes the shipped models as
+    their model cards do."""
+    from megatron_overlap.bench.cli import (
+        HostMemoryError,
+        available_host_bytes,
+        check_host_memory,
+    )
+    from megatron_overlap.models import approx_param_count, load_model_shape
+
+    check_host_memory(2**20, 2, "m", available=10 * 2**20)  # 3 MiB of 10: fine
+    check_host_memory(2**40, 0, "m", available=1)  # nothing to build
+    with pytest.raises(HostMemoryError, match=r"m: 3 copies of its ~1\.0 GiB of parameters "
+                                              r"\(one per variant\) and their build need "
+                                              r"~4\.0 GiB of host memory, 4\.2 GiB are"):
+        check_host_memory(2**30, 3, "m", available=int(4.2 * 2**30))
+    assert isinstance(HostMemoryError("x"), MemoryError)
+    avail = available_host_bytes()
+    assert avail is None or avail > 0
+    # Total parameters, billions (model cards): 46.7, 30.5, 15.7, 14.3, 41.9.
+    for name, billions in [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5),
+                           ("deepseek-v2-lite", 15.7), ("qwen1.5-moe-a2.7b", 14.3),
+                           ("phi-3.5-moe", 41.9)]:
+        count = approx_param_count(load_model_shape(name))
+        assert abs(count / 1e9 - billions) < 0.03 * billions, (name, count)
+    with pytest.raises(ValueError, match="num_layers=0"):
+        approx_param_count(load_model_shape("tiny"), 0)
+
+
+@pytest.mark.parametrize("script", ["prefill.py", "bench_layer.py"])
+def test_launchers_refuse_a_model_too_big_for_the_host(script, tmp_path):
+    """A model whose experts alone are ~0.5 TiB per copy (tiny's shape, 1024 experts of
+    F = 2^16 at H = 2048) is refused before anything is built, with exit status 2."""
+    from megatron_overlap.bench.cli import available_host_bytes
+
+    avail = available_host_bytes()
+    if avail is None or avail > 2**40:
+        pytest.skip("host memory unknown or over 1 TiB")
+    text = (REPO / "configs" / "models" / "tiny.yaml").read_text()
+    for key, value in [("hidden_size", 2048), ("moe_ffn_hidden_size", 65536),
+                       ("num_moe_experts", 1024), ("kv_channels", 512)]:
+        text = "\n".join(f"{key}: {value}" if line.startswith(f"{key}:") else line
+                         for line in text.splitlines())
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(text)
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / script), "--model", str(huge),
+                           "--out", ""], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "GiB are available; on the CPU use a smaller model" in proc.stderr, proc.stderr
