@@ -23,11 +23,8 @@ TIMEOUT_RANGE_S = (1e-6, 1e6)
 """Accepted `timeout_s` (the kernels count it in int64 nanoseconds of the GPU timer)."""
 
 TILE_LIST_ENV = "MEGATRON_OVERLAP_TILE_LIST"
-"""Where the Triton path builds the GEMM2 kernel's tile list: "gemm" (default: the host
-sends one entry per destination and local expert, and the GEMM2 kernel's CTAs expand their
-own tiles before they run them, with the finalize index's token counts: one launch less per
-call; where the kernel cannot, i.e. dynamic claims or the index built alone, as "device"),
-"device" (`_prepare_kernel`, a launch of its own, expands them: the default up to v5.0) or
+"""Where the Triton path builds the GEMM2 kernel's tile list: "device" (default: the host
+sends one entry per destination and local expert, `_tile_list_block` expands them) or
 "host" (numpy `expand_tiles` + `wave_order`, the whole list copied; the twin, for
 comparison and debugging)."""
 
@@ -92,14 +89,14 @@ def fc1_chunk_bytes() -> int:
 
 
 def tile_list_source() -> str:
-    """$MEGATRON_OVERLAP_TILE_LIST, "gemm" when unset or empty.
+    """$MEGATRON_OVERLAP_TILE_LIST, "device" when unset or empty.
 
     Raises:
-        ValueError: any other value than "gemm", "device" or "host".
+        ValueError: any other value than "device" or "host".
     """
-    value = os.environ.get(TILE_LIST_ENV, "gemm") or "gemm"
-    if value not in ("gemm", "device", "host"):
-        raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'gemm', 'device' or 'host'")
+    value = os.environ.get(TILE_LIST_ENV, "device") or "device"
+    if value not in ("device", "host"):
+        raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'device' or 'host'")
     return value
 
 

@@ -223,18 +223,15 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, local_ptr
 # software-pipeline).
 @triton.jit(do_not_specialize=["num_remote", "num_local", "my_rank", "num_ranks", "num_comm",
                                "N", "freed_target", "timeout_ns", "index_blocks", "num_tokens",
-                               "num_experts", "num_segments", "col_blocks", "search_steps",
-                               "remote_steps"])
+                               "num_experts"])
 def _gemm_scatter_kernel(
     h_ptr, w2_ptr, tiles_ptr, num_remote, num_local, counters_ptr, peer_recv_ptrs, local_ptr,
     peer_sig_ptrs, sig_ptr, my_rank, num_ranks, num_comm, freed_target, timeout_ns, err_ptr,
     N, F, H, L, stride_h, stride_wl, stride_wn,
     rmap_ptr, counts_ptr, base_ptr, index_ptr, index_blocks, num_tokens, num_experts,
-    seg_ptr, num_segments, col_blocks, search_steps, remote_steps, sync_ptr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
     STATIC: tl.constexpr, USE_TIMER: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
-    EP2: tl.constexpr, IBT: tl.constexpr, CB: tl.constexpr, PROLOGUE: tl.constexpr,
-    WAVES: tl.constexpr, BLOCK: tl.constexpr,
+    EP2: tl.constexpr, IBT: tl.constexpr, CB: tl.constexpr,
 ):
     """Run this CTA's share of the GEMM2 tiles, then its share of the finalize index; see
     the module docstring.
@@ -250,19 +247,6 @@ def _gemm_scatter_kernel(
     num_experts, TP, K, EP2, IBT, CB; 0 blocks: none): one launch less on the host's
     critical path than a kernel of its own, and the work fills the CTAs that finish their
     tiles early. The finalize (the next launch on the stream) reads the index.
-
-    PROLOGUE (static schedule only): the call's preparation runs here too, in place of
-    `_prepare_kernel` (one launch less again). Before its tiles, CTA p writes its own tile
-    list entries (`_own_tiles` from the segments seg [num_segments, SEGMENT_FIELDS]; WAVES:
-    the wave order) and counts the routing map's tokens of blocks p, p + G, ...
-    (`_block_count_block`) into counts, then adds 1 to sync[0]. sync: int32 [3], zero at
-    the launch (the call's uploaded tables): CTAs whose counts are in, CTAs at their tail,
-    index blocks claimed. At its tail a CTA builds index blocks (claimed one at a time
-    through sync[2]) if every CTA's counts are in (sync[0] == G), or if it is the last CTA
-    there (sync[1]: then every CTA has passed its prologue); else it leaves them to the
-    others. Nobody waits: a grid larger than the CTAs the GPU holds at once (or the
-    interpreter, which runs one CTA after the other) only shifts the index onto the CTAs
-    that end last.
     """
     a_desc = None
     b_desc = None
@@ -273,15 +257,6 @@ def _gemm_scatter_kernel(
                                            block_shape=[BN, BK])
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    if PROLOGUE:
-        _own_tiles(pid, grid, seg_ptr, tiles_ptr, num_segments, num_remote, num_local,
-                   num_comm, col_blocks, search_steps, remote_steps, BM, BN, WAVES, BLOCK)
-        for b in range(pid, index_blocks, grid):
-            _block_count_block(b, rmap_ptr, counts_ptr, num_tokens, num_experts, EP2, IBT)
-        # Every thread's stores (tile entries, read back below; counts) before the CTA's
-        # count goes up (release).
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
     pend_dest = my_rank  # remote tiles stored but not yet signalled: destination, count
     pend = 0
     free_dest = my_rank  # the last remote destination found free, and whether it was
@@ -311,29 +286,29 @@ def _gemm_scatter_kernel(
                 t = t_next
     if pend > 0:
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
-    if PROLOGUE:
-        if index_blocks > 0:
-            last = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == grid - 1
-            ready = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") >= grid
-            if last | ready:
-                b = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-                while b < index_blocks:
-                    _index_block(b, rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens,
-                                 num_experts, TP, K, EP2, IBT, CB)
-                    b = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-    else:
-        for b in range(pid, index_blocks, grid):
-            _index_block(b, rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens,
-                         num_experts, TP, K, EP2, IBT, CB)
+    for b in range(pid, index_blocks, grid):
+        _index_block(b, rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,
+                     TP, K, EP2, IBT, CB)
 
 
 @triton.jit
-def _tile_entries(i, ok, seg_ptr, num_segments, col_blocks, search_steps, BM: tl.constexpr,
-                  BN: tl.constexpr, BLOCK: tl.constexpr):
-    """The tile entries (`TILE_FIELDS`, as six vectors) of list indices i (a vector; lanes
-    where `ok` is False are not loaded). Tile i belongs to the last segment whose first tile
-    is <= i (binary search, `search_steps` >= ceil(log2(S)) steps); within it, row block
-    q // col_blocks and column block q % col_blocks."""
+def _tile_list_block(b, seg_ptr, tiles_ptr, num_segments, num_remote, num_local, grid,
+                     num_comm, col_blocks, search_steps, BM: tl.constexpr, BN: tl.constexpr,
+                     WAVES: tl.constexpr, BLOCK: tl.constexpr):
+    """Expand segments into the tile list `_gemm_scatter_kernel` reads: entries
+    [b * BLOCK, (b + 1) * BLOCK).
+
+    seg: int32 [S, SEGMENT_FIELDS], remote segments first (their tiles are the first
+    num_remote); tiles: int32 [num_remote + num_local, TILE_FIELDS]. Tile i belongs to the
+    last segment whose first tile is <= i (binary search, `search_steps` >= ceil(log2(S))
+    steps); within it, row block q // col_blocks and column block q % col_blocks. With WAVES
+    the entries are stored in the wave order of `wave_order` (each wave of `grid` entries
+    holds num_comm remote and grid - num_comm local tiles while both last; closed form of
+    the merged positions, 0 < num_comm < grid; int32, so the launcher keeps
+    (num_remote + num_local) * grid < 2^31), else in list order.
+    """
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    ok = i < num_remote + num_local
     lo = tl.zeros((BLOCK,), tl.int32)
     hi = tl.zeros((BLOCK,), tl.int32) + num_segments
     for _ in range(search_steps):
@@ -351,39 +326,6 @@ def _tile_entries(i, ok, seg_ptr, num_segments, col_blocks, search_steps, BM: tl
     q = i - tl.load(seg + 5, mask=ok, other=0)
     blk = q // col_blocks
     r0 = row0 + blk * BM
-    return (expert, r0, tl.minimum(r0 + BM, row0 + rows), (q - blk * col_blocks) * BN, dest,
-            dest_row0 + blk * BM)
-
-
-@triton.jit
-def _store_entries(out, ok, expert, r0, r1, n0, dest, dest_row):
-    """Store tile entries at `out` (int32 pointers to each entry's first field)."""
-    tl.store(out + 0, expert, mask=ok)
-    tl.store(out + 1, r0, mask=ok)
-    tl.store(out + 2, r1, mask=ok)
-    tl.store(out + 3, n0, mask=ok)
-    tl.store(out + 4, dest, mask=ok)
-    tl.store(out + 5, dest_row, mask=ok)
-
-
-@triton.jit
-def _tile_list_block(b, seg_ptr, tiles_ptr, num_segments, num_remote, num_local, grid,
-                     num_comm, col_blocks, search_steps, BM: tl.constexpr, BN: tl.constexpr,
-                     WAVES: tl.constexpr, BLOCK: tl.constexpr):
-    """Expand segments into the tile list `_gemm_scatter_kernel` reads: entries
-    [b * BLOCK, (b + 1) * BLOCK) of the list order (`_tile_entries`).
-
-    seg: int32 [S, SEGMENT_FIELDS], remote segments first (their tiles are the first
-    num_remote); tiles: int32 [num_remote + num_local, TILE_FIELDS]. With WAVES the entries
-    are stored in the wave order of `wave_order` (each wave of `grid` entries holds
-    num_comm remote and grid - num_comm local tiles while both last; closed form of the
-    merged positions, 0 < num_comm < grid; int32, so the launcher keeps
-    (num_remote + num_local) * grid < 2^31), else in list order.
-    """
-    i = b * BLOCK + tl.arange(0, BLOCK)
-    ok = i < num_remote + num_local
-    expert, r0, r1, n0, dest, dest_row = _tile_entries(i, ok, seg_ptr, num_segments,
-                                                       col_blocks, search_steps, BM, BN, BLOCK)
     if WAVES:
         j = i - num_remote
         local = i >= num_remote
@@ -392,45 +334,13 @@ def _tile_list_block(b, seg_ptr, tiles_ptr, num_segments, num_remote, num_local,
         pos = tl.where(local, pos_local, pos_remote)
     else:
         pos = i
-    _store_entries(tiles_ptr + pos.to(tl.int64) * 6, ok, expert, r0, r1, n0, dest, dest_row)
-
-
-@triton.jit
-def _own_tiles(pid, grid, seg_ptr, tiles_ptr, num_segments, num_remote, num_local, num_comm,
-               col_blocks, search_steps, remote_steps, BM: tl.constexpr, BN: tl.constexpr,
-               WAVES: tl.constexpr, BLOCK: tl.constexpr):
-    """The entries of the tile list that CTA `pid` of the static schedule takes (positions
-    pid, pid + grid, ...), written by that CTA itself: the list `_tile_list_block` builds,
-    without a launch of its own. Position p -> list index: with WAVES (the wave order, see
-    `_tile_list_block`) cr = the number of remote tiles placed before p (a binary search
-    over the increasing remote positions, `remote_steps` >= bit_length(num_remote) steps);
-    p is remote tile cr if that tile sits at p, else local tile p - cr (the positions are
-    dense: p - cr local tiles precede it)."""
-    total = num_remote + num_local
-    lanes = tl.arange(0, BLOCK)
-    for c0 in range(0, total, grid * BLOCK):
-        p = c0 + pid + lanes * grid
-        ok = p < total
-        if WAVES:
-            lo = tl.zeros((BLOCK,), tl.int32)
-            hi = tl.zeros((BLOCK,), tl.int32) + num_remote
-            for _ in range(remote_steps):
-                live = lo < hi
-                mid = (lo + hi) // 2
-                at = mid + tl.minimum(num_local, (mid // num_comm) * (grid - num_comm))
-                right = at < p
-                lo = tl.where(live & right, mid + 1, lo)
-                hi = tl.where(live & (at >= p), mid, hi)
-            cr = tl.minimum(lo, tl.maximum(num_remote - 1, 0))
-            at = cr + tl.minimum(num_local, (cr // num_comm) * (grid - num_comm))
-            remote = (lo < num_remote) & (at == p)
-            i = tl.where(remote, lo, num_remote + p - lo)
-        else:
-            i = p
-        expert, r0, r1, n0, dest, dest_row = _tile_entries(i, ok, seg_ptr, num_segments,
-                                                           col_blocks, search_steps, BM, BN,
-                                                           BLOCK)
-        _store_entries(tiles_ptr + p.to(tl.int64) * 6, ok, expert, r0, r1, n0, dest, dest_row)
+    out = tiles_ptr + pos.to(tl.int64) * 6
+    tl.store(out + 0, expert, mask=ok)
+    tl.store(out + 1, r0, mask=ok)
+    tl.store(out + 2, tl.minimum(r0 + BM, row0 + rows), mask=ok)
+    tl.store(out + 3, (q - blk * col_blocks) * BN, mask=ok)
+    tl.store(out + 4, dest, mask=ok)
+    tl.store(out + 5, dest_row0 + blk * BM, mask=ok)
 
 
 @triton.jit

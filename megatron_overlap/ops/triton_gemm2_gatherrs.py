@@ -587,8 +587,6 @@ class _Call:
     """The finalize index's operands (routing map, block counts, bases, index, token blocks,
     tokens, experts), for the GEMM2 kernel or `_index_kernel` alone; None: no index."""
     _fold = False
-    _prologue = None
-    """The GEMM2 kernel's PROLOGUE arguments (it prepares the call itself), or None."""
     """Whether the GEMM2 kernel builds the finalize index (`FOLD_MAX_EP2`)."""
     _indexed = False
 
@@ -634,14 +632,6 @@ class _Call:
             kc = min(max(self.num_comm, 1), self.grid - 1) if waves else 1
             if waves and (self.num_remote + self.num_local) * self.grid >= 2**31:
                 tile_list = "host"  # the kernel's wave positions are int32 products
-            num_experts = meta.routing_map.shape[1]
-            # The GEMM2 kernel prepares the call itself (its PROLOGUE: tile list and the
-            # index's token counts, no `_prepare_kernel` launch) where it takes its tiles
-            # from the static list and builds the finalize index (`FOLD_MAX_EP2`).
-            self._fold = self._index_meta["EP2"] <= FOLD_MAX_EP2
-            if tile_list == "gemm" and not (self.tile.static and self._fold):
-                tile_list = "device"
-            self._prologue = None
             if tile_list == "host":
                 table = expand_tiles(lay)
                 if waves:
@@ -656,6 +646,7 @@ class _Call:
         targets = ws.add_expected_arrivals(lay.arrivals)
         num_tiles = self.num_remote + self.num_local
         rmap = meta.routing_map.view(torch.uint8)
+        num_experts = rmap.shape[1]
         im = self._index_meta
         kmax, bt, ep2, warps = im["K"], im["BT"], im["EP2"], im["num_warps"]
         nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
@@ -666,42 +657,31 @@ class _Call:
         index_shape = (meta.num_tokens, kmax * meta.tp_size)
         sizes = (_align4(index_shape[0] * index_shape[1]), _align4(n_counts), n_tiles)
         r2, n_base = 2 * meta.group_size, lay.finalize_base.size
-        # After the finalize bases (from a 16-byte boundary of the part), with the GEMM2's
-        # prologue: its three counters, uploaded as zeros (`_gemm_scatter_kernel`'s sync).
-        n_sync = _align4(n_base) + 4 if tile_list == "gemm" else n_base
-        tables = (r2, n_sync, table.size)
+        tables = (r2, n_base, table.size)
         with span("mo.h2d"):
-            # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases
-            # (and the prologue's counters), and the segments (or, with the host tile list,
-            # the tiles); the buffers of a free staging slot of the workspace when there is
-            # one (`_StagingSlot`; else a slot of this call's own, not kept by the workspace).
+            # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, and
+            # the segments (or, with the host tile list, the tiles); the buffers of a free
+            # staging slot of the workspace when there is one (`_StagingSlot`).
+            # (else a slot of this call's own, not kept by the workspace)
             stream = torch.cuda.current_stream(device) if self.gpu else None
             slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes), stream)
             self._slot = slot if kept else None
             buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
             buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
-            buf[r2 + n_base: r2 + n_sync] = 0
-            buf[r2 + n_sync:] = table.reshape(-1)
+            buf[r2 + n_base:] = table.reshape(-1)
             slot.copy_in(device, stream)
-            self.targets, bases, table = slot.views
-            self.finalize_base = bases[:n_base]
-            sync = bases[n_sync - 4:] if tile_list == "gemm" else None
+            self.targets, self.finalize_base, table = slot.views
         with span("mo.prepare_kernels"):
             self.index, block_counts, tiles = slot.scratch_parts(sizes[0], n_counts,
                                                                  index_shape)
             # the tile list the kernels read (device: the open-ended rest of the scratch)
             self._tiles_arg = table if tile_list == "host" else tiles
-            segs = len(lay.segments)
-            if tile_list == "gemm":
-                # (segments, their count, column blocks, search steps, remote-position
-                # search steps, wave order, its remote tiles per wave): `_launch` passes them
-                self._prologue = (table, segs, lay.col_blocks, max(1, segs.bit_length()),
-                                  self.num_remote.bit_length(), waves, kc, sync)
-            tile_blocks = 0 if tile_list != "device" else _cdiv(num_tiles, TILE_LIST_BLOCK)
-            if tile_list != "gemm" and tile_blocks + nb:
+            tile_blocks = 0 if tile_list == "host" else _cdiv(num_tiles, TILE_LIST_BLOCK)
+            if tile_blocks + nb:
                 # Tile list and block counts (independent) in one launch; the GEMM2 builds
                 # the index from the counts.
+                segs = len(lay.segments)
                 _prepare(
                     (tile_blocks + nb,), table, self._tiles_arg, segs, self.num_remote,
                     self.num_local, self.grid, kc, lay.col_blocks, max(1, segs.bit_length()),
@@ -713,7 +693,7 @@ class _Call:
             # `_index_kernel` alone above that, and where the GEMM2 has not run.
             self._index_parts = (rmap, block_counts, self.finalize_base, self.index, nb,
                                  meta.num_tokens, num_experts)
-            # (`_fold` False: `launch_index` runs `_index_kernel` alone)
+            self._fold = ep2 <= FOLD_MAX_EP2  # else `launch_index` runs `_index_kernel` alone
         # Claim counters of the dynamic schedule (zeroed at each launch); the static one
         # reads none.
         self.counters = (None if self.tile.static
@@ -804,13 +784,13 @@ class _Call:
             t.data_ptr() % 16 == 0 for t in (self.h, self.w2))
         with span("mo.send"):
             self._launch(self._tiles_arg, self.grid, self.num_remote, self.num_local,
-                         index=self._fold, prologue=self._prologue is not None)
+                         index=self._fold)
         self.sent = True
         if self._fold:
             self._indexed = True  # built by the GEMM2's CTAs
         ws = self.ws
         key = (self.MODE, self.dtype, self.hidden, self.h.shape[1], self.use_tma, self.tile,
-               self._gemm_index, None if self._prologue is None else self._prologue[5])
+               self._gemm_index)
         if self.gpu and key not in ws.compiled:
             # First call of this specialisation: line the ranks up after their JIT
             # compilation, so that no rank's finalize waits out another's compile (a
@@ -855,8 +835,7 @@ class _Call:
                      index=False)
 
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
-                local: Optional[torch.Tensor] = None, index: bool = False,
-                prologue: bool = False) -> None:
+                local: Optional[torch.Tensor] = None, index: bool = False) -> None:
         """`_gemm_scatter_kernel` over `tiles`, this rank's own rows into `local` (default:
         the call's local buffer); with `index`, its CTAs also build the
         finalize index (`_index_parts`); without, the index arguments are placeholders of the
@@ -875,25 +854,14 @@ class _Call:
             blocks = tokens = experts = 0
         tp, kk, ep2 = self._gemm_index
         im = self._index_meta
-        # With `prologue` (`_prologue`'s tables, `send` only) the kernel writes the tile list
-        # and the index's token counts itself; otherwise placeholders of the same types.
-        num_comm = self.num_comm
-        if prologue:
-            (segs, num_segs, col_blocks, steps, remote_steps, waves, num_comm,
-             sync) = self._prologue
-        else:
-            segs, num_segs, col_blocks, steps, remote_steps, waves = tiles, 0, 1, 1, 0, False
-            sync = tiles
         handle = _gemm_scatter(
             (grid,), h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
             ws.peer_recv_ptrs, self.local if local is None else local, ws.peer_signal_ptrs,
-            ws.signals, self.rank, ws.num_ranks, num_comm, self.freed_target, self.timeout,
+            ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
             ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
             w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks, tokens, experts,
-            segs, num_segs, col_blocks, steps, remote_steps, sync,
             BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
             USE_TIMER=self.gpu, TP=tp, K=kk, EP2=ep2, IBT=im["BT"], CB=im["CB"],
-            PROLOGUE=prologue, WAVES=waves, BLOCK=TILE_LIST_BLOCK,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.gpu:
@@ -908,14 +876,7 @@ class _Call:
             return
         if self._index_parts is not None and self._index_parts[4]:
             rmap, counts, base, out, blocks, tokens, experts = self._index_parts
-            im = self._index_meta
-            if self._prologue is not None:
-                # The GEMM2's prologue would have counted the tokens per block; it has not run.
-                _prepare((blocks,), counts, counts, 0, 0, 0, 1, 1, 1, 1, 0, rmap, counts, tokens,
-                         experts, BM=self.tile.bm, BN=self.tile.bn, WAVES=False,
-                         BLOCK=TILE_LIST_BLOCK, EP2=im["EP2"], BT=im["BT"],
-                         num_warps=im["num_warps"])
-            _index((blocks,), rmap, counts, base, out, tokens, experts, **im)
+            _index((blocks,), rmap, counts, base, out, tokens, experts, **self._index_meta)
         self._indexed = True  # after: a launch that raised is tried again
 
     def finalize(self) -> None:

@@ -281,14 +281,13 @@ class PreReducedCall(_Call):
         buffer."""
 
     def _launch(self, tiles, grid: int, num_remote: int, num_local: int,
-                local: Optional[torch.Tensor] = None, index: bool = False,
-                prologue: bool = False) -> None:
+                local: Optional[torch.Tensor] = None, index: bool = False) -> None:
         """The GEMM into y (`_Call._launch` with every tile local and y as the only
-        destination; no finalize index or prologue in it: `index` and `prologue` must be
-        False, this mode's tile list and index are built when the call is prepared), then
-        the pre-reduced send to every destination (one launch)."""
-        if index or prologue:
-            raise ValueError("a pre-reduced call's GEMM2 builds no finalize index or tile list")
+        destination; no finalize index in it: `index` must be False, this mode's index is
+        built when the call is prepared), then the pre-reduced send to every destination
+        (one launch)."""
+        if index:
+            raise ValueError("a pre-reduced call's GEMM2 builds no finalize index")
         ws = self.ws
         num_ranks = ws.num_ranks
         self.y = torch.empty(max(1, self.num_rows), self.hidden, dtype=self.dtype,
