@@ -277,3 +277,21 @@ def test_workspace_call_order_stream_and_counter_reset():
     ws.finalize_ctas = 2**31 - 10
     assert ws.add_finalize_ctas(20) == 20 and int(ws.finalize_done) == 0
     assert ws.add_finalize_ctas(5) == 25
+
+
+def test_error_record_messages():
+    """Each kernel error code reads as what waited for what (codes of
+    `kernels.gemm2_gatherrs`; the record is (code, rank waited for, seen, expected)), and the
+    record is cleared once reported."""
+    from megatron_overlap.kernels import gemm2_gatherrs as k
+    from megatron_overlap.symm import GatherRSWorkspace
+
+    for code, text in ((k.ERR_PRODUCER_WAIT, "the GEMM2 producer timed out waiting for rank 1"),
+                       (k.ERR_FINALIZE_WAIT, "finalize timed out waiting for sender rank 1"),
+                       (k.ERR_SEND_WAIT, "the pre-reduced send timed out waiting for rank 1")):
+        ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+        ws.error.copy_(torch.tensor([code, 1, 2, 3]))
+        with pytest.raises(RuntimeError, match=f"error code {code}") as err:
+            ws.check_errors()
+        assert text in str(err.value) and "expected >= 3" in str(err.value)
+        ws.check_errors()
