@@ -11,6 +11,11 @@ benchmark numbers) unless `--include-cpu`. When several rows have the same key (
 model, layout, layers, sequence length, variant, dtype, GPU, requested backend, attention)
 the newest (`timestamp`) wins.
 
+`--breakdown FILE ...` adds a section "Where the host time goes": the layer rows of a run with
+`--host-breakdown` (their `host_breakdown_us`), flag on against each baseline, stage by stage
+(host microseconds per forward). Those rows are used for that section only (a run with
+timers on is not the grid's timing).
+
 Speedup of the flag over a baseline = t_baseline / t_on of the p50 times (> 1: flag on is
 faster). Targets (issue 5), checked and stated met or missed:
   * layer: geometric mean >= 1.3 over "off-grouped" on the fine-grained models, and no
@@ -434,6 +439,92 @@ def slower_table(groups: dict, benchmark: str) -> str | None:
                    "host ms on - base"], lines)
 
 
+TOP_STAGES = ("layer.route", "layer.preprocess", "layer.dispatch",
+              "layer.routed_experts_compute", "layer.combine", "layer.postprocess")
+"""The host timers of `MoELayer.forward`'s own stages (`launch/bench_layer.py
+--host-breakdown`): they follow one another, so with "forward" and the rest they partition
+a forward's host time."""
+
+INNER_STAGES = (
+    "token_dispatcher.dispatch_preprocess", "token_dispatcher.token_dispatch",
+    "token_dispatcher.dispatch_postprocess", "mo.counts_to_host", "mo.build_metadata",
+    "mo.fc1", "experts.forward", "token_dispatcher.prepare_combine", "mo.plan", "mo.prepare",
+    "mo.direct_layout", "mo.h2d", "mo.prepare_kernels", "token_dispatcher.combine_send",
+    "mo.send", "token_dispatcher.combine_finish", "mo.finalize",
+    "token_dispatcher.combine_preprocess", "token_dispatcher.token_combine",
+    "token_dispatcher.combine_postprocess", "python.gc")
+"""Timers inside those stages, in the order a forward meets them (others follow, by name):
+Megatron's dispatcher and experts, and the flag-on path's `mo.*` (one inside another:
+e.g. `mo.plan` and `mo.prepare` are parts of `token_dispatcher.prepare_combine`)."""
+
+
+def breakdown_workloads(rows: list[dict]) -> dict:
+    """{(model, layout, seq): {variant: row}} of the layer rows with a host breakdown
+    (`host_breakdown_us`) where flag on and at least one baseline have one."""
+    out: dict = {}
+    for row in rows:
+        if row.get("benchmark") == "layer" and isinstance(row.get("host_breakdown_us"), dict):
+            key = (row["model"], row["layout"], row["seq_length"])
+            out.setdefault(key, {})[row["variant"]] = row
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: (_model_rank(kv[0][0]),
+                                                                 kv[0][1], kv[0][2]))
+            if "on" in v and any(b in v for b in BASELINE_ORDER)}
+
+
+def breakdown_table(variants: dict) -> str:
+    """One workload's host time per stage (us per forward): flag on, each baseline, and on
+    minus the baseline; the top-level stages first (with the rest of the forward: "other"),
+    then the timers inside them. Stages that no variant has are left out."""
+    bases = [b for b in BASELINE_ORDER if b in variants]
+    names = ["on"] + bases
+    us = {v: variants[v]["host_breakdown_us"] for v in names}
+
+    def cells(stage):
+        vals = [us[v].get(stage) for v in names]
+        out = [_fmt(x, ".0f") for x in vals]
+        on = vals[0] or 0.0
+        out += [_fmt(on - (x or 0.0), "+.0f") for x in vals[1:]]
+        return out
+
+    lines = []
+    for stage in ("forward",) + TOP_STAGES:
+        if any(stage in us[v] for v in names):
+            lines.append([f"`{stage}`"] + cells(stage))
+    if all("forward" in us[v] for v in names):
+        other = {v: us[v]["forward"] - sum(us[v].get(t, 0.0) for t in TOP_STAGES)
+                 for v in names}
+        lines.append(["other (forward - the stages above)"]
+                     + [_fmt(other[v], ".0f") for v in names]
+                     + [_fmt(other["on"] - other[b], "+.0f") for b in bases])
+    known = set(("forward",) + TOP_STAGES)
+    inner = [t for t in INNER_STAGES if any(t in us[v] for v in names)]
+    rest = sorted({t for v in names for t in us[v]} - known - set(inner))
+    for stage in inner + rest:
+        lines.append([f"&nbsp;&nbsp;`{stage}`"] + cells(stage))
+    header = (["host us per forward"] + [f"`{v}`" for v in names]
+              + [f"on - `{b}`" for b in bases])
+    return _table(header, lines)
+
+
+def breakdown_section(rows: list[dict]) -> str | None:
+    """The "Where the host time goes" section from rows with a host breakdown, or None when
+    no workload has one for flag on and a baseline."""
+    groups = breakdown_workloads(rows)
+    if not groups:
+        return None
+    parts = ["Host microseconds per forward in each stage (rank 0, each timer's median over "
+             "the run's forwards; `launch/bench_layer.py --host-breakdown`), from a run of "
+             "its own: its timers add host time, so its times are not the grid's. Where the "
+             "host paces a forward (host ms close to ms), a stage's extra host time is "
+             "extra time."]
+    for (model, layout, seq), variants in groups.items():
+        times = ", ".join(f"`{v}` {r['ms_p50']:.3f} ms (host {_fmt(r.get('host_ms_p50'), '.3f')})"
+                          for v, r in variants.items())
+        parts += ["", f"**{model} {layout} seq {seq}**: p50 {times}.", "",
+                  breakdown_table(variants)]
+    return "\n".join(parts)
+
+
 def labels_section(rows: list[dict]) -> str:
     """Every distinct (benchmark, variant, label, experts_impl), and skipped baselines."""
     seen, lines = set(), []
@@ -485,13 +576,20 @@ def settings_section(rows: list[dict]) -> str:
     return text
 
 
-def commands_section(rows: list[dict], paths: Sequence[str], out: str) -> str:
-    """The launch commands recorded in the rows, and the command that made this report."""
-    commands = sorted({row["command"] for row in rows if row.get("command")})
+def commands_section(rows: list[dict], paths: Sequence[str], out: str,
+                     breakdown_paths: Sequence[str] = (),
+                     breakdown_rows: Sequence[dict] = ()) -> str:
+    """The launch commands recorded in the rows (the breakdown rows' too), and the command
+    that made this report."""
+    commands = sorted({row["command"] for row in list(rows) + list(breakdown_rows)
+                       if row.get("command")})
     text = "Benchmarks (as recorded in the rows; each after `source scripts/device_setup.sh`):\n\n"
     text += "```\n" + ("\n".join(commands) if commands else "(rows predate command recording)")
     text += "\n```\n\nThis report:\n\n```\npython -m megatron_overlap.bench.make_report "
-    text += " ".join(shlex.quote(p) for p in paths) + f" --out {shlex.quote(out)}\n```"
+    text += " ".join(shlex.quote(p) for p in paths)
+    if breakdown_paths:
+        text += " --breakdown " + " ".join(shlex.quote(p) for p in breakdown_paths)
+    text += f" --out {shlex.quote(out)}\n```"
     return text
 
 
@@ -503,7 +601,8 @@ def disagreements(rows: list[dict]) -> list[str]:
 
 
 def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
-           plots: dict) -> str:
+           plots: dict, breakdown_rows: Sequence[dict] = (),
+           breakdown_paths: Sequence[str] = ()) -> str:
     """The whole report as markdown.
 
     Args:
@@ -511,6 +610,8 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
         notes: skip counts from `load_rows` and `select_rows`.
         paths, out: the input files and the report path (for the regeneration command).
         plots: {benchmark: PNG file name relative to the report, or None}.
+        breakdown_rows, breakdown_paths: rows with host breakdowns (`--breakdown`) and
+            their files; their section follows the layer's tables.
     """
     parts = ["# Benchmark report: MoE layer and full-model prefill, flag on vs off", ""]
     parts.append(
@@ -545,6 +646,8 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
                 "work, its waits in host syncs included, p50, slowest rank; `-`: not in "
                 "the rows):", "", slower]
         parts += ["", "Every workload:", "", workload_table(groups, benchmark)]
+        if benchmark == "layer" and (text := breakdown_section(list(breakdown_rows))):
+            parts += ["", "### Where the host time goes", "", text]
         gone = missing_workloads(groups)
         if gone:
             parts += ["", "Not measured in these rows (the targets above leave them out):",
@@ -556,7 +659,8 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
                       "row's `criterion` field).")]
     parts += ["", "## Run settings", "", settings_section(rows)]
     parts += ["", "## Hardware and software", "", environment_section(rows)]
-    parts += ["", "## Commands", "", commands_section(rows, paths, out), ""]
+    parts += ["", "## Commands", "", commands_section(rows, paths, out, breakdown_paths,
+                                                     breakdown_rows), ""]
     return "\n".join(parts)
 
 
@@ -635,6 +739,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-cpu", action="store_true",
                         help="keep rows measured on a CPU (tests; not benchmark numbers)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    parser.add_argument("--breakdown", nargs="+", default=[], metavar="JSONL",
+                        help="layer rows of a run with --host-breakdown: a section of host "
+                             "time per stage, flag on against the baselines (these rows are "
+                             "used for that section only)")
     args = parser.parse_args(argv)
     if not args.out or Path(args.out).is_dir():
         parser.error(f"--out {args.out!r}: expected the report's file path (not a directory)")
@@ -644,6 +752,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     rows, more = select_rows(raw, include_cpu=args.include_cpu)
     notes.update(more)
+    breakdown_rows = []
+    if args.breakdown:
+        try:
+            extra, _ = load_rows(args.breakdown)
+        except ValueError as err:
+            parser.error(str(err))
+        breakdown_rows, _ = select_rows(extra, include_cpu=args.include_cpu)
+        if not breakdown_workloads(breakdown_rows):
+            parser.error(f"--breakdown {' '.join(args.breakdown)}: no layer rows with "
+                         "host_breakdown_us for flag on and a baseline (run bench_layer.py "
+                         "with --host-breakdown)")
     if not rows:
         print(f"make_report: no layer or prefill rows to report in {args.jsonl} "
               f"({notes}); nothing written" + ("" if args.include_cpu else
@@ -659,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
             png = out.with_name(f"{out.stem}_{benchmark}.png")
             if groups and not args.no_plots and plot(groups, benchmark, str(png)):
                 plots[benchmark] = png.name
-        out.write_text(render(rows, notes, args.jsonl, args.out, plots))
+        out.write_text(render(rows, notes, args.jsonl, args.out, plots, breakdown_rows,
+                              args.breakdown))
     except OSError as err:
         print(f"make_report: cannot write {args.out} or its PNGs: {err}", file=sys.stderr)
         return 2

@@ -278,3 +278,51 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
     assert "**Warning:** the layer rows mix settings" in text, text
     assert "prefill rows mix" not in text, text
 
+
+
+def _breakdown_rows():
+    """Synthetic rows of a --host-breakdown run: flag on and off-grouped, one workload."""
+    on = {"forward": 3000.0, "layer.route": 300.0, "layer.preprocess": 900.0,
+          "layer.dispatch": 250.0, "layer.routed_experts_compute": 1400.0,
+          "layer.combine": 1.0, "layer.postprocess": 30.0, "mo.plan": 100.0,
+          "token_dispatcher.prepare_combine": 400.0, "mo.zz_new_stage": 7.0}
+    grouped = {"forward": 2500.0, "layer.route": 290.0, "layer.preprocess": 700.0,
+               "layer.dispatch": 240.0, "layer.routed_experts_compute": 700.0,
+               "layer.combine": 130.0, "layer.postprocess": 80.0, "experts.forward": 430.0}
+    return [_row("layer", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 4096, "on", 3.1,
+                 host_ms_p50=3.05, host_breakdown_us=on, command="cmd-breakdown"),
+            _row("layer", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 4096, "off-grouped", 2.6,
+                 host_ms_p50=2.55, host_breakdown_us=grouped)]
+
+
+def test_breakdown_section(tmp_path):
+    text = mr.breakdown_section(_breakdown_rows())
+    assert "**qwen3-30b-a3b tp1/ep2/dp2/sp0 seq 4096**: p50 `on` 3.100 ms (host 3.050)" in text
+    assert "| host us per forward | `on` | `off-grouped` | on - `off-grouped` |" in text
+    assert "| `forward` | 3000 | 2500 | +500 |" in text
+    assert "| `layer.routed_experts_compute` | 1400 | 700 | +700 |" in text
+    # the rest of the forward: 3000 - 2881 = 119 and 2500 - 2140 = 360
+    assert "| other (forward - the stages above) | 119 | 360 | -241 |" in text
+    # inner stages: known ones in forward order, a stage only one variant has shows "-"
+    assert text.index("`token_dispatcher.prepare_combine`") < text.index("`mo.plan`")
+    assert "`experts.forward` | - | 430 | -430 |" in text
+    assert text.index("`mo.plan`") < text.index("`mo.zz_new_stage`")  # unknown names last
+    # rows without a breakdown, or without a baseline's, give no section
+    assert mr.breakdown_section(_layer_rows()) is None
+    assert mr.breakdown_section(_breakdown_rows()[:1]) is None
+    # through the command line: its own section, its rows only there, the command recorded
+    grid, extra = tmp_path / "grid.jsonl", tmp_path / "host.jsonl"
+    grid.write_text("\n".join(json.dumps(r) for r in _layer_rows()) + "\n")
+    extra.write_text("\n".join(json.dumps(r) for r in _breakdown_rows()) + "\n")
+    out = tmp_path / "r.md"
+    assert mr.main([str(grid), "--breakdown", str(extra), "--out", str(out),
+                    "--no-plots"]) == 0
+    report = out.read_text()
+    assert "### Where the host time goes" in report and "cmd-breakdown" in report
+    assert f"make_report {grid} --breakdown {extra} --out {out}" in report
+    # the grid's qwen3 workload keeps the grid's times (10 ms), not the breakdown run's
+    assert "| qwen3-30b-a3b | tp1/ep2/dp2/sp0 | 4096 | 10.000 |" in report
+    # a --breakdown file without breakdowns is refused
+    with pytest.raises(SystemExit) as exit_info:
+        mr.main([str(grid), "--breakdown", str(grid), "--out", str(out), "--no-plots"])
+    assert exit_info.value.code == 2
