@@ -442,86 +442,129 @@ def slower_table(groups: dict, benchmark: str) -> str | None:
 TOP_STAGES = ("layer.route", "layer.preprocess", "layer.dispatch",
               "layer.routed_experts_compute", "layer.combine", "layer.postprocess")
 """The host timers of `MoELayer.forward`'s own stages (`launch/bench_layer.py
---host-breakdown`): they follow one another, so with "forward" and the rest they partition
-a forward's host time."""
+--host-breakdown`), which run one after another inside "forward"."""
 
 INNER_STAGES = (
-    "token_dispatcher.dispatch_preprocess", "token_dispatcher.token_dispatch",
-    "token_dispatcher.dispatch_postprocess", "mo.counts_to_host", "mo.build_metadata",
-    "mo.fc1", "experts.forward", "token_dispatcher.prepare_combine", "mo.plan", "mo.prepare",
-    "mo.direct_layout", "mo.h2d", "mo.prepare_kernels", "token_dispatcher.combine_send",
-    "mo.send", "token_dispatcher.combine_finish", "mo.finalize",
-    "token_dispatcher.combine_preprocess", "token_dispatcher.token_combine",
-    "token_dispatcher.combine_postprocess", "python.gc")
+    "token_dispatcher.dispatch_preprocess", "mo.counts_all_gather",
+    "token_dispatcher.token_dispatch", "token_dispatcher.dispatch_postprocess",
+    "mo.dispatch_postprocess", "mo.counts_to_host", "mo.build_metadata", "mo.fc1",
+    "experts.forward_fc1", "experts.forward", "token_dispatcher.prepare_combine", "mo.plan",
+    "mo.routing_maps", "mo.prepare", "mo.direct_layout", "mo.h2d", "mo.prepare_kernels",
+    "token_dispatcher.combine_send", "mo.gemm2_gatherrs", "mo.send",
+    "token_dispatcher.combine_finish", "mo.finalize", "token_dispatcher.combine_preprocess",
+    "token_dispatcher.token_combine", "token_dispatcher.combine_postprocess", "python.gc")
 """Timers inside those stages, in the order a forward meets them (others follow, by name):
-Megatron's dispatcher and experts, and the flag-on path's `mo.*` (one inside another:
-e.g. `mo.plan` and `mo.prepare` are parts of `token_dispatcher.prepare_combine`)."""
+Megatron's dispatcher and experts, and the flag-on path's `mo.*`, one inside another (e.g.
+`mo.plan` and `mo.prepare` inside `token_dispatcher.prepare_combine`; `mo.gemm2_gatherrs`
+counts both halves of the combine)."""
+
+_BREAKDOWN_KEY = ("model", "layout", "seq_length", "dtype", "gpu", "backend_requested")
 
 
-def breakdown_workloads(rows: list[dict]) -> dict:
-    """{(model, layout, seq): {variant: row}} of the layer rows with a host breakdown
-    (`host_breakdown_us`) where flag on and at least one baseline have one."""
-    out: dict = {}
-    for row in rows:
+def check_breakdown_row(row: dict, where: str) -> None:
+    """A row given to `--breakdown`: `host_breakdown_us` a non-empty {stage: finite us >= 0}
+    and `host_ms_p50` null or a finite number > 0.
+
+    Raises:
+        ValueError: "WHERE: FIELD=VALUE, expected ..."."""
+    us = row.get("host_breakdown_us")
+    if not isinstance(us, dict) or not us:
+        raise ValueError(f"{where}: host_breakdown_us={us!r}, expected a non-empty "
+                         "{stage: microseconds} (a bench_layer.py --host-breakdown row)")
+    for stage, value in us.items():
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{where}: host_breakdown_us[{stage!r}]={value!r}, expected a "
+                             "finite number of microseconds >= 0")
+    host = row.get("host_ms_p50")
+    if host is not None and not _finite_positive(host):
+        raise ValueError(f"{where}: host_ms_p50={host!r}, expected null or a finite number "
+                         "of milliseconds > 0")
+
+
+def breakdown_workloads(rows: list[dict]) -> tuple[dict, list[str]]:
+    """Group layer rows with a host breakdown by workload (model, layout, sequence length,
+    dtype, GPU, requested backend; the newest row per variant wins).
+
+    Returns:
+        ({key: {variant: row}} of the workloads where flag on and at least one baseline
+        have a breakdown, in model order), [a line per workload left out, saying why].
+    """
+    groups: dict = {}
+    for row in sorted(rows, key=lambda r: str(r.get("timestamp", ""))):
         if row.get("benchmark") == "layer" and isinstance(row.get("host_breakdown_us"), dict):
-            key = (row["model"], row["layout"], row["seq_length"])
-            out.setdefault(key, {})[row["variant"]] = row
-    return {k: v for k, v in sorted(out.items(), key=lambda kv: (_model_rank(kv[0][0]),
-                                                                 kv[0][1], kv[0][2]))
-            if "on" in v and any(b in v for b in BASELINE_ORDER)}
+            key = tuple(row.get(f) for f in _BREAKDOWN_KEY)
+            groups.setdefault(key, {})[row["variant"]] = row
+    kept, dropped = {}, []
+    for key in sorted(groups, key=lambda k: (_model_rank(k[0]), k[1], k[2], str(k[3:]))):
+        variants = groups[key]
+        if "on" in variants and any(b in variants for b in BASELINE_ORDER):
+            kept[key] = variants
+        else:
+            dropped.append(f"{key[0]} {key[1]} seq {key[2]}: breakdowns of "
+                           f"{sorted(variants)} only (needs `on` and a baseline)")
+    return kept, dropped
 
 
 def breakdown_table(variants: dict) -> str:
     """One workload's host time per stage (us per forward): flag on, each baseline, and on
-    minus the baseline; the top-level stages first (with the rest of the forward: "other"),
-    then the timers inside them. Stages that no variant has are left out."""
+    minus the baseline where both have the stage ("-" where one lacks it); "forward" and
+    `TOP_STAGES` first, then "forward" less their sum, then the timers inside them.
+    Stages that no variant has are left out."""
     bases = [b for b in BASELINE_ORDER if b in variants]
     names = ["on"] + bases
     us = {v: variants[v]["host_breakdown_us"] for v in names}
 
-    def cells(stage):
-        vals = [us[v].get(stage) for v in names]
-        out = [_fmt(x, ".0f") for x in vals]
-        on = vals[0] or 0.0
-        out += [_fmt(on - (x or 0.0), "+.0f") for x in vals[1:]]
-        return out
+    def diff(a, b):
+        return None if a is None or b is None else a - b
+
+    def cells(values: dict):
+        return ([_fmt(values[v], ".0f") for v in names]
+                + [_fmt(diff(values["on"], values[b]), "+.0f") for b in bases])
 
     lines = []
     for stage in ("forward",) + TOP_STAGES:
         if any(stage in us[v] for v in names):
-            lines.append([f"`{stage}`"] + cells(stage))
-    if all("forward" in us[v] for v in names):
-        other = {v: us[v]["forward"] - sum(us[v].get(t, 0.0) for t in TOP_STAGES)
-                 for v in names}
-        lines.append(["other (forward - the stages above)"]
-                     + [_fmt(other[v], ".0f") for v in names]
-                     + [_fmt(other["on"] - other[b], "+.0f") for b in bases])
+            lines.append([f"`{stage}`"] + cells({v: us[v].get(stage) for v in names}))
+    rest = {v: (us[v]["forward"] - sum(us[v].get(t, 0.0) for t in TOP_STAGES)
+                if "forward" in us[v] else None) for v in names}
+    if any(x is not None for x in rest.values()):
+        lines.append(["`forward` less the stages above (approximate: each value is a "
+                      "median over forwards and a maximum over ranks, which do not add)"]
+                     + cells(rest))
     known = set(("forward",) + TOP_STAGES)
     inner = [t for t in INNER_STAGES if any(t in us[v] for v in names)]
-    rest = sorted({t for v in names for t in us[v]} - known - set(inner))
-    for stage in inner + rest:
-        lines.append([f"&nbsp;&nbsp;`{stage}`"] + cells(stage))
+    other = sorted({t for v in names for t in us[v]} - known - set(inner))
+    for stage in inner + other:
+        lines.append([f"&nbsp;&nbsp;`{stage}`"] + cells({v: us[v].get(stage) for v in names}))
     header = (["host us per forward"] + [f"`{v}`" for v in names]
               + [f"on - `{b}`" for b in bases])
     return _table(header, lines)
 
 
 def breakdown_section(rows: list[dict]) -> str | None:
-    """The "Where the host time goes" section from rows with a host breakdown, or None when
-    no workload has one for flag on and a baseline."""
-    groups = breakdown_workloads(rows)
+    """The text of the "Where the host time goes" section from rows with a host breakdown,
+    or None when no workload has one for flag on and a baseline."""
+    groups, dropped = breakdown_workloads(rows)
     if not groups:
         return None
-    parts = ["Host microseconds per forward in each stage (rank 0, each timer's median over "
-             "the run's forwards; `launch/bench_layer.py --host-breakdown`), from a run of "
-             "its own: its timers add host time, so its times are not the grid's. Where the "
-             "host paces a forward (host ms close to ms), a stage's extra host time is "
-             "extra time."]
-    for (model, layout, seq), variants in groups.items():
-        times = ", ".join(f"`{v}` {r['ms_p50']:.3f} ms (host {_fmt(r.get('host_ms_p50'), '.3f')})"
-                          for v, r in variants.items())
-        parts += ["", f"**{model} {layout} seq {seq}**: p50 {times}.", "",
+    parts = ["Host microseconds per forward in each stage (`launch/bench_layer.py "
+             "--host-breakdown`: each stage's median over the run's forwards, the maximum "
+             "over ranks stage by stage), from a run of its own: another draw of the host than "
+             "the tables above, and its stage timers add host time of their own. Where the "
+             "host paces a forward (host ms close to ms), a stage's extra host time is extra "
+             "time."]
+    for key, variants in groups.items():
+        model, layout, seq = key[:3]
+        names = ["on"] + [b for b in BASELINE_ORDER if b in variants]
+        times = ", ".join(f"`{v}` {variants[v]['ms_p50']:.3f} ms (host "
+                          f"{_fmt(variants[v].get('host_ms_p50'), '.3f')})" for v in names)
+        extra = ", ".join(f"{f} {key[i]}" for i, f in enumerate(_BREAKDOWN_KEY)
+                          if i >= 3 and key[i] is not None)
+        parts += ["", f"**{model} {layout} seq {seq}** ({extra}): p50 {times}.", "",
                   breakdown_table(variants)]
+    if dropped:
+        parts += ["", "Left out:", ""] + [f"* {line}" for line in dropped]
     return "\n".join(parts)
 
 
@@ -646,12 +689,12 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
                 "work, its waits in host syncs included, p50, slowest rank; `-`: not in "
                 "the rows):", "", slower]
         parts += ["", "Every workload:", "", workload_table(groups, benchmark)]
-        if benchmark == "layer" and (text := breakdown_section(list(breakdown_rows))):
-            parts += ["", "### Where the host time goes", "", text]
         gone = missing_workloads(groups)
         if gone:
             parts += ["", "Not measured in these rows (the targets above leave them out):",
                       ""] + gone
+    if breakdown_rows and (text := breakdown_section(list(breakdown_rows))):
+        parts += ["", "## Where the host time goes (MoE layer)", "", text]
     parts += ["", "## Variants, exactly", "", labels_section(rows)]
     bad = disagreements(rows)
     parts += ["", "## Agreement with flag off", ""]
@@ -739,10 +782,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-cpu", action="store_true",
                         help="keep rows measured on a CPU (tests; not benchmark numbers)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
-    parser.add_argument("--breakdown", nargs="+", default=[], metavar="JSONL",
+    parser.add_argument("--breakdown", nargs="+", action="extend", default=[],
+                        metavar="JSONL",
                         help="layer rows of a run with --host-breakdown: a section of host "
                              "time per stage, flag on against the baselines (these rows are "
-                             "used for that section only)")
+                             "used for that section only; its rows without a breakdown are "
+                             "skipped). Give it after the row files, or end its list with "
+                             "another option")
     args = parser.parse_args(argv)
     if not args.out or Path(args.out).is_dir():
         parser.error(f"--out {args.out!r}: expected the report's file path (not a directory)")
@@ -756,13 +802,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         try:
             extra, _ = load_rows(args.breakdown)
+            extra = [r for r in extra if r["benchmark"] == "layer"
+                     and r.get("host_breakdown_us") is not None]
+            for number, row in enumerate(extra, 1):
+                check_breakdown_row(row, f"--breakdown row {number} ({row['model']} "
+                                         f"{row['layout']} seq {row['seq_length']} "
+                                         f"{row['variant']})")
         except ValueError as err:
             parser.error(str(err))
-        breakdown_rows, _ = select_rows(extra, include_cpu=args.include_cpu)
-        if not breakdown_workloads(breakdown_rows):
+        breakdown_rows = [r for r in extra if args.include_cpu or r.get("gpu") != "cpu"]
+        groups, dropped = breakdown_workloads(breakdown_rows)
+        cpu = len(extra) - len(breakdown_rows)
+        if not groups:
             parser.error(f"--breakdown {' '.join(args.breakdown)}: no layer rows with "
                          "host_breakdown_us for flag on and a baseline (run bench_layer.py "
-                         "with --host-breakdown)")
+                         "with --host-breakdown)"
+                         + (f"; {cpu} CPU rows were dropped (--include-cpu keeps them)"
+                            if cpu else ""))
+        for line in dropped:
+            print(f"make_report: --breakdown leaves out {line}", file=sys.stderr)
     if not rows:
         print(f"make_report: no layer or prefill rows to report in {args.jsonl} "
               f"({notes}); nothing written" + ("" if args.include_cpu else

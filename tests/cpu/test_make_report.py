@@ -297,32 +297,81 @@ def _breakdown_rows():
 
 def test_breakdown_section(tmp_path):
     text = mr.breakdown_section(_breakdown_rows())
-    assert "**qwen3-30b-a3b tp1/ep2/dp2/sp0 seq 4096**: p50 `on` 3.100 ms (host 3.050)" in text
+    assert ("**qwen3-30b-a3b tp1/ep2/dp2/sp0 seq 4096** (dtype bf16, gpu SYNTHETIC-TEST-GPU, "
+            "backend_requested auto): p50 `on` 3.100 ms (host 3.050), `off-grouped` 2.600 ms "
+            "(host 2.550).") in text
     assert "| host us per forward | `on` | `off-grouped` | on - `off-grouped` |" in text
     assert "| `forward` | 3000 | 2500 | +500 |" in text
     assert "| `layer.routed_experts_compute` | 1400 | 700 | +700 |" in text
     # the rest of the forward: 3000 - 2881 = 119 and 2500 - 2140 = 360
-    assert "| other (forward - the stages above) | 119 | 360 | -241 |" in text
-    # inner stages: known ones in forward order, a stage only one variant has shows "-"
+    assert "which do not add) | 119 | 360 | -241 |" in text
+    # inner stages: known ones in forward order; where one side lacks a stage, no difference
     assert text.index("`token_dispatcher.prepare_combine`") < text.index("`mo.plan`")
-    assert "`experts.forward` | - | 430 | -430 |" in text
+    assert "`experts.forward` | - | 430 | - |" in text
+    assert "`mo.plan` | 100 | - | - |" in text
     assert text.index("`mo.plan`") < text.index("`mo.zz_new_stage`")  # unknown names last
     # rows without a breakdown, or without a baseline's, give no section
     assert mr.breakdown_section(_layer_rows()) is None
     assert mr.breakdown_section(_breakdown_rows()[:1]) is None
+    # the newest row of a variant wins; another GPU is another workload (left out here:
+    # it has no baseline), named under "Left out"
+    rows = _breakdown_rows()
+    newer = dict(rows[0], timestamp="T9", ms_p50=9.0)
+    other_gpu = dict(rows[0], gpu="OTHER-GPU")
+    text = mr.breakdown_section([newer] + rows + [other_gpu])
+    assert "p50 `on` 9.000 ms" in text and "3.100" not in text
+    assert "Left out:" in text and "breakdowns of ['on'] only" in text
     # through the command line: its own section, its rows only there, the command recorded
     grid, extra = tmp_path / "grid.jsonl", tmp_path / "host.jsonl"
     grid.write_text("\n".join(json.dumps(r) for r in _layer_rows()) + "\n")
-    extra.write_text("\n".join(json.dumps(r) for r in _breakdown_rows()) + "\n")
+    extra.write_text("\n".join(json.dumps(r) for r in _breakdown_rows() + _layer_rows())
+                     + "\n")  # (rows without a breakdown in the file are skipped)
     out = tmp_path / "r.md"
     assert mr.main([str(grid), "--breakdown", str(extra), "--out", str(out),
                     "--no-plots"]) == 0
     report = out.read_text()
-    assert "### Where the host time goes" in report and "cmd-breakdown" in report
+    assert "## Where the host time goes (MoE layer)" in report and "cmd-breakdown" in report
+    assert report.index("## Where the host time goes") < report.index("## Variants, exactly")
     assert f"make_report {grid} --breakdown {extra} --out {out}" in report
     # the grid's qwen3 workload keeps the grid's times (10 ms), not the breakdown run's
     assert "| qwen3-30b-a3b | tp1/ep2/dp2/sp0 | 4096 | 10.000 |" in report
-    # a --breakdown file without breakdowns is refused
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"host_breakdown_us": {}}, "host_breakdown_us={}, expected a non-empty"),
+    ({"host_breakdown_us": {"forward": None}}, "host_breakdown_us['forward']=None, expected"),
+    ({"host_breakdown_us": {"forward": "12"}}, "host_breakdown_us['forward']='12', expected"),
+    ({"host_ms_p50": "4.1"}, "host_ms_p50='4.1', expected null or a finite number"),
+])
+def test_breakdown_bad_rows_exit_2(tmp_path, capsys, change, message):
+    grid, extra = tmp_path / "grid.jsonl", tmp_path / "host.jsonl"
+    grid.write_text("\n".join(json.dumps(r) for r in _layer_rows()) + "\n")
+    rows = _breakdown_rows()
+    rows[0].update(change)
+    extra.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(SystemExit) as exit_info:
-        mr.main([str(grid), "--breakdown", str(grid), "--out", str(out), "--no-plots"])
+        mr.main([str(grid), "--breakdown", str(extra), "--out", str(tmp_path / "r.md")])
     assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_breakdown_needs_usable_rows(tmp_path, capsys):
+    grid = tmp_path / "grid.jsonl"
+    grid.write_text("\n".join(json.dumps(r) for r in _layer_rows()) + "\n")
+    out = str(tmp_path / "r.md")
+    with pytest.raises(SystemExit) as exit_info:  # a file without breakdowns
+        mr.main([str(grid), "--breakdown", str(grid), "--out", out, "--no-plots"])
+    assert exit_info.value.code == 2
+    assert "no layer rows with host_breakdown_us" in capsys.readouterr().err
+    cpu = tmp_path / "cpu.jsonl"
+    cpu.write_text("\n".join(json.dumps(dict(r, gpu="cpu")) for r in _breakdown_rows()))
+    with pytest.raises(SystemExit):
+        mr.main([str(grid), "--breakdown", str(cpu), "--out", out, "--no-plots"])
+    assert "2 CPU rows were dropped (--include-cpu keeps them)" in capsys.readouterr().err
+    # the section also comes with grid rows of the prefill only
+    prefill = tmp_path / "prefill.jsonl"
+    prefill.write_text("\n".join(json.dumps(r) for r in _prefill_rows()) + "\n")
+    extra = tmp_path / "host.jsonl"
+    extra.write_text("\n".join(json.dumps(r) for r in _breakdown_rows()) + "\n")
+    assert mr.main([str(prefill), "--breakdown", str(extra), "--out", out, "--no-plots"]) == 0
+    assert "## Where the host time goes (MoE layer)" in (tmp_path / "r.md").read_text()
