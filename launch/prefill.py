@@ -1031,7 +1031,9 @@ def time_seq(
     same inputs.
 
     Returns:
-        {"ms": {variant: per-forward ms, max over ranks}, and per variant, max over ranks, in
+        {"ms": {variant: per-forward ms, max over ranks}, "host_ms": {variant: per-forward
+        host ms (`Timer.host_ms`: the time the host takes to run and enqueue the forward, its
+        waits in host syncs included), max over ranks}, and per variant, max over ranks, in
         bytes (`megatron_overlap.bench.measure`; None on CPU): "peak_bytes" (absolute),
         "fwd_extra_bytes", "persistent_bytes" (allocated across the variant's first warm-up
         forward of this sequence length; None without warm-up), "symm_workspace_bytes"
@@ -1085,6 +1087,7 @@ def time_seq(
     symm = symm_workspace_bytes() if device.type == "cuda" else 0
     return {
         "ms": {name: reduce_max(timer.times_ms(), device) for name, timer in timers.items()},
+        "host_ms": {name: reduce_max(timer.host_ms, device) for name, timer in timers.items()},
         "peak_bytes": rank_max({name: t.peak_bytes for name, t in timers.items()}),
         "fwd_extra_bytes": rank_max({name: t.fwd_extra_bytes for name, t in timers.items()}),
         "persistent_bytes": rank_max(persistent),
@@ -1181,6 +1184,7 @@ def make_rows(
                 "ms_p80": percentile(ms, 80),
                 "ms_mean": statistics.fmean(ms),
                 "ms_all": ms,
+                "host_ms_p50": percentile(timing["host_ms"][name], 50),
                 "tokens_per_s": tokens / (p50[name] / 1e3),
                 "speedup_off_over_on": p50["off"] / p50["on"],
                 "speedup_over_on": p50[name] / p50["on"],

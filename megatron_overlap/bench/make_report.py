@@ -56,7 +56,8 @@ Common fields:
   before v4.9's eed19ee),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
-  host_ms_p50 (layer, from v4.5: p50 of the host time to enqueue a forward, slowest rank;
+  host_ms_p50 (layer from v4.5, prefill from v5.1: p50 of the host time to run and enqueue a
+  forward, its waits in host syncs included, slowest rank;
   host_breakdown_us: {stage: host us per forward} with `--host-breakdown`, else None;
   from v4.7 each stage's median over the forwards, plus "python.gc", the mean time per
   forward of Python's garbage collector; before, each stage's mean),
