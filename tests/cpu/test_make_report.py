@@ -279,7 +279,6 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
     assert "prefill rows mix" not in text, text
 
 
-
 def _breakdown_rows():
     """Synthetic rows of a --host-breakdown run: flag on and off-grouped, one workload."""
     on = {"forward": 3000.0, "layer.route": 300.0, "layer.preprocess": 900.0,
