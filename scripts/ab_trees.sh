@@ -21,14 +21,17 @@
 #    processes, default 2; 1: plain python) with that tree first on PYTHONPATH (and $MO_SITE,
 #    the wheels device_setup.sh installed), the C++ extensions built in the tree first where
 #    they are not. Rows go to $OUT/ab/<tree>.jsonl (rounds appended; git_sha = the prepared
-#    tree's commit), logs to $OUT/ab/<tree>_r<round>.log; at the end a table: p50 ms of every
-#    (workload, variant) per tree and round, and each tree's t_variant / t_on per round.
+#    tree's commit; a tree's earlier rows there are removed first), logs to
+#    $OUT/ab/<tree>_r<round>.log; at the end a table: p50 ms of every (workload, variant)
+#    per tree and round, and each tree's t_variant / t_on per round. --rounds / --nproc go
+#    before the trees, bench_layer.py's options after `--`; the trees' folder names must
+#    differ (they name the files).
 #
 # Exit status: 0 when every run exited 0, else 1; 2 on bad usage.
 set -o pipefail
 
 usage() {
-  sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -37,19 +40,34 @@ ab_dir=${AB_DIR:-$root/.ab}
 
 prepare() {
   (( $# >= 1 )) || usage
-  local rev sha name
-  for rev in "$@"; do
+  local rev sha name path
+  local -a shas=() paths
+  for rev in "$@"; do  # every commit checked before anything is written
     sha=$(git -C "$root" rev-parse --verify --quiet "$rev^{commit}") || {
       echo "ab_trees.sh prepare: '$rev' is not a commit of $root" >&2
       exit 2
     }
+    git -C "$root" cat-file -e "$sha:launch/bench_layer.py" 2>/dev/null || {
+      echo "ab_trees.sh prepare: commit '$rev' has no launch/bench_layer.py" >&2
+      exit 2
+    }
+    shas+=("$sha")
+  done
+  local i=0
+  for rev in "$@"; do
+    sha=${shas[i]}
+    i=$((i + 1))
     name=${rev//\//_}
     rm -rf "${ab_dir:?}/$name"
     mkdir -p "$ab_dir/$name" || exit 2
     # only what the layer benchmark imports and builds (the results and docs stay behind;
-    # tests/support: its CPU runs patch Megatron from there)
-    git -C "$root" archive "$sha" -- megatron_overlap launch csrc configs setup.py \
-      pyproject.toml tests/__init__.py tests/support | tar -x -C "$ab_dir/$name" || exit 2
+    # tests/support: its CPU runs patch Megatron from there), where the commit has it
+    paths=()
+    for path in megatron_overlap launch csrc configs setup.py pyproject.toml \
+        tests/__init__.py tests/support; do
+      git -C "$root" cat-file -e "$sha:$path" 2>/dev/null && paths+=("$path")
+    done
+    git -C "$root" archive "$sha" -- "${paths[@]}" | tar -x -C "$ab_dir/$name" || exit 2
     echo "$sha" >"$ab_dir/$name/AB_COMMIT"
     echo "prepared $ab_dir/$name ($sha, $(du -sh "$ab_dir/$name" | cut -f1))"
   done
@@ -60,8 +78,10 @@ run() {
   local rounds=2 nproc=2
   while (( $# )); do
     case $1 in
-      --rounds) rounds=$2; shift 2 ;;
-      --nproc) nproc=$2; shift 2 ;;
+      --rounds|--nproc)
+        (( $# >= 2 )) || { echo "ab_trees.sh run: $1 takes a positive integer" >&2; exit 2; }
+        if [[ $1 == --rounds ]]; then rounds=$2; else nproc=$2; fi
+        shift 2 ;;
       --) break ;;
       -*) echo "ab_trees.sh run: unknown option $1" >&2; usage ;;
       *) break ;;
@@ -73,6 +93,11 @@ run() {
   }
   local -a trees=()
   while (( $# )) && [[ $1 != -- ]]; do
+    if [[ $1 == -* ]]; then
+      echo "ab_trees.sh run: '$1' after the trees: --rounds / --nproc go before them," \
+           "bench_layer.py's options after '--'" >&2
+      exit 2
+    fi
     [[ -f $1/launch/bench_layer.py ]] || {
       echo "ab_trees.sh run: $1 has no launch/bench_layer.py (make it with" \
            "'ab_trees.sh prepare <commit>', or give the repository root)" >&2
@@ -81,10 +106,21 @@ run() {
     trees+=("$(cd "$1" && pwd)")
     shift
   done
+  local dup
+  dup=$(for tree in "${trees[@]}"; do basename "$tree"; done | sort | uniq -d | head -1)
+  if [[ -n $dup ]]; then
+    echo "ab_trees.sh run: two trees are named '$dup': their rows and logs would mix" \
+         "(prepare the other under another name, or copy it)" >&2
+    exit 2
+  fi
   [[ ${1:-} == -- ]] && shift
   (( ${#trees[@]} >= 1 )) || usage
   local out="${OUT:-$root/results}/ab"
   mkdir -p "$out" || exit 2
+  out=$(cd "$out" && pwd) || exit 2  # absolute: the runs start inside the trees
+  for tree in "${trees[@]}"; do  # this call's rows only
+    rm -f "$out/$(basename "$tree").jsonl" "$out/$(basename "$tree")"_r*.log
+  done
   local site=${MO_SITE:-/tmp/site} status=0 tree name r rc
   local -a launch
   if (( nproc == 1 )); then

@@ -137,6 +137,9 @@ def load_rows(paths: Iterable[str]) -> tuple[list[dict], dict]:
             lines = list(json_rows(path))
         except OSError as err:
             raise ValueError(f"{path}: cannot read it ({err.strerror})") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}): "
+                             "expected a .jsonl file of rows") from None
         for number, row in lines:
             if isinstance(row, dict) and row.get("schema") in SCHEMAS:
                 row.setdefault("benchmark", SCHEMAS[row["schema"]])
@@ -776,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     """Write the report (and its PNGs); print where. Exit status 0, 2 on bad input."""
     parser = argparse.ArgumentParser(prog="python -m megatron_overlap.bench.make_report",
                                      description="Markdown report of layer/prefill rows")
-    parser.add_argument("jsonl", nargs="+", help="JSON-lines files of benchmark rows")
+    parser.add_argument("jsonl", nargs="*", help="JSON-lines files of benchmark rows")
     parser.add_argument("--out", default="results/report.md", help="report path (default "
                         "results/report.md, untracked; the committed report is regenerated "
                         "with --out docs/report.md); PNGs are written next to it")
@@ -791,6 +794,10 @@ def main(argv: list[str] | None = None) -> int:
                              "skipped). Give it after the row files, or end its list with "
                              "another option")
     args = parser.parse_args(argv)
+    if not args.jsonl:
+        parser.error("no row files: give them before --breakdown (it takes every file "
+                     "after it)" if args.breakdown else "no row files (JSON-lines files of "
+                     "layer / prefill rows)")
     if not args.out or Path(args.out).is_dir():
         parser.error(f"--out {args.out!r}: expected the report's file path (not a directory)")
     try:
@@ -801,14 +808,21 @@ def main(argv: list[str] | None = None) -> int:
     notes.update(more)
     breakdown_rows = []
     if args.breakdown:
+        extra = []
         try:
-            extra, _ = load_rows(args.breakdown)
-            extra = [r for r in extra if r["benchmark"] == "layer"
-                     and r.get("host_breakdown_us") is not None]
-            for number, row in enumerate(extra, 1):
-                check_breakdown_row(row, f"--breakdown row {number} ({row['model']} "
-                                         f"{row['layout']} seq {row['seq_length']} "
-                                         f"{row['variant']})")
+            for path in args.breakdown:
+                got = [r for r in load_rows([path])[0] if r["benchmark"] == "layer"
+                       and r.get("host_breakdown_us") is not None]
+                if not got:
+                    raise ValueError(
+                        f"--breakdown {path}: no layer rows with host_breakdown_us (a "
+                        "bench_layer.py --host-breakdown run's rows); if it is a row file "
+                        "of the report, give it before --breakdown")
+                for row in got:
+                    check_breakdown_row(row, f"{path}: the {row['variant']} row of "
+                                             f"{row['model']} {row['layout']} seq "
+                                             f"{row['seq_length']}")
+                extra += got
         except ValueError as err:
             parser.error(str(err))
         breakdown_rows = [r for r in extra if args.include_cpu or r.get("gpu") != "cpu"]

@@ -25,10 +25,10 @@ def _git_head():
 
 
 def _run(tmp_path, *args, timeout=300):
-    env = dict(os.environ, AB_DIR=str(tmp_path / "ab"), OUT=str(tmp_path / "out"),
-               OMP_NUM_THREADS="1")
+    # OUT relative to the working folder: the script resolves it before entering the trees
+    env = dict(os.environ, AB_DIR=str(tmp_path / "ab"), OUT="out", OMP_NUM_THREADS="1")
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=tmp_path)
 
 
 def test_prepare_and_run_two_trees(tmp_path):
@@ -43,6 +43,9 @@ def test_prepare_and_run_two_trees(tmp_path):
     # the prepared tree's copy of the package is the one its run imports: mark it
     init = tree / "megatron_overlap" / "__init__.py"
     init.write_text(init.read_text() + "\nprint('AB-TREE-COPY-IMPORTED')\n")
+    # rows of an earlier call in the same OUT are not this call's rounds
+    (tmp_path / "out" / "ab").mkdir(parents=True)
+    (tmp_path / "out" / "ab" / "HEAD.jsonl").write_text('{"stale": true}\n')
     proc = _run(tmp_path, "run", "--rounds", "1", "--nproc", "1", str(tree), str(REPO), "--",
                 "--device", "cpu", "--model", "tiny", "--seq-lengths", "32", "--warmup", "1",
                 "--iters", "2", "--baselines", "off-grouped")
@@ -62,8 +65,17 @@ def test_prepare_and_run_two_trees(tmp_path):
 
 
 def test_bad_usage_exits_2(tmp_path):
-    assert _run(tmp_path, "prepare", "no-such-commit-xyz").returncode == 2
+    # nothing is prepared when one of the commits is bad
+    assert _run(tmp_path, "prepare", "HEAD", "no-such-commit-xyz").returncode == 2
+    assert not (tmp_path / "ab" / "HEAD").exists()
     proc = _run(tmp_path, "run", str(tmp_path), "--", "--device", "cpu")
     assert proc.returncode == 2 and "has no launch/bench_layer.py" in proc.stderr
     assert _run(tmp_path, "run", "--rounds", "0", str(REPO)).returncode == 2
+    for option in ("--rounds", "--nproc"):  # no value: an error, not an endless loop
+        proc = _run(tmp_path, "run", option, timeout=30)
+        assert proc.returncode == 2 and "takes a positive integer" in proc.stderr
+    proc = _run(tmp_path, "run", str(REPO), "--device", "cpu")  # the `--` forgotten
+    assert proc.returncode == 2 and "options after '--'" in proc.stderr
+    proc = _run(tmp_path, "run", str(REPO), str(REPO), "--", "--device", "cpu")
+    assert proc.returncode == 2 and "two trees are named" in proc.stderr
     assert _run(tmp_path).returncode == 2

@@ -351,7 +351,9 @@ def test_breakdown_bad_rows_exit_2(tmp_path, capsys, change, message):
     with pytest.raises(SystemExit) as exit_info:
         mr.main([str(grid), "--breakdown", str(extra), "--out", str(tmp_path / "r.md")])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert f"{extra}: the on row of qwen3-30b-a3b tp1/ep2/dp2/sp0 seq 4096" in err
 
 
 def test_breakdown_needs_usable_rows(tmp_path, capsys):
@@ -361,7 +363,17 @@ def test_breakdown_needs_usable_rows(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # a file without breakdowns
         mr.main([str(grid), "--breakdown", str(grid), "--out", out, "--no-plots"])
     assert exit_info.value.code == 2
-    assert "no layer rows with host_breakdown_us" in capsys.readouterr().err
+    assert "give it before --breakdown" in capsys.readouterr().err
+    extra = tmp_path / "host.jsonl"
+    extra.write_text("\n".join(json.dumps(r) for r in _breakdown_rows()) + "\n")
+    with pytest.raises(SystemExit):  # every file after --breakdown is a breakdown file
+        mr.main(["--breakdown", str(extra), str(grid), "--out", out, "--no-plots"])
+    assert "give them before --breakdown" in capsys.readouterr().err
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"a": "\xd0\xff"}\n')
+    with pytest.raises(SystemExit):
+        mr.main([str(binary), "--out", out, "--no-plots"])
+    assert f"{binary}: not UTF-8 text" in capsys.readouterr().err
     cpu = tmp_path / "cpu.jsonl"
     cpu.write_text("\n".join(json.dumps(dict(r, gpu="cpu")) for r in _breakdown_rows()))
     with pytest.raises(SystemExit):
@@ -370,7 +382,5 @@ def test_breakdown_needs_usable_rows(tmp_path, capsys):
     # the section also comes with grid rows of the prefill only
     prefill = tmp_path / "prefill.jsonl"
     prefill.write_text("\n".join(json.dumps(r) for r in _prefill_rows()) + "\n")
-    extra = tmp_path / "host.jsonl"
-    extra.write_text("\n".join(json.dumps(r) for r in _breakdown_rows()) + "\n")
     assert mr.main([str(prefill), "--breakdown", str(extra), "--out", out, "--no-plots"]) == 0
     assert "## Where the host time goes (MoE layer)" in (tmp_path / "r.md").read_text()
