@@ -371,18 +371,21 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
 
 
 def parse_tile(name: str):
-    """'128x256x64w8s3' (+ 'dyn' for dynamic claims, + 'g2' for two CTAs per SM) ->
-    (TileConfig, CTAs per SM)."""
+    """'128x256x64w8s3' (+ 'dyn' for dynamic claims, + 'g2' for two CTAs per SM, + 'tma'
+    for the epilogue's stores through TMA descriptors, + 'rot' for the static schedule's
+    rotated waves) -> (TileConfig, CTAs per SM)."""
     import re
 
     from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
 
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(dyn)?(g2)?", name)
-    if not m:
-        raise ValueError(f"tile variant {name!r}: expected e.g. 128x256x64w8s3 or "
-                         "128x128x64w8s3dyn")
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(dyn)?(g2)?(tma)?(rot)?", name)
+    if not m or (m.group(6) and m.group(9)):
+        raise ValueError(f"tile variant {name!r}: expected e.g. 128x256x64w8s3, "
+                         "128x128x64w8s3dyn, 128x256x64w8s3tma or 128x256x64w8s3tmarot "
+                         "('rot' only with the static schedule)")
     bm, bn, bk, w, st = (int(x) for x in m.groups()[:5])
-    tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) is None)
+    tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) is None,
+                      tma_store=m.group(8) is not None, rotate=m.group(9) is not None)
     return tile, 2 if m.group(7) else 1
 
 

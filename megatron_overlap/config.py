@@ -28,6 +28,11 @@ sends one entry per destination and local expert, `_tile_list_block` expands the
 "host" (numpy `expand_tiles` + `wave_order`, the whole list copied; the twin, for
 comparison and debugging)."""
 
+TMA_STORE_ENV = "MEGATRON_OVERLAP_TMA_STORE"
+"""How the GEMM2 kernel's epilogue stores its tiles on the GPU (`tma_store_enabled`): "1"
+through a TMA descriptor per tile, asynchronous (`TileConfig.tma_store`), "0" from
+registers."""
+
 FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
 """The grouped FC1's chunk of rows, in MiB of [rows, F] (`fc1_chunk_bytes`)."""
 
@@ -40,8 +45,8 @@ def check_environment() -> None:
     """Check every `MEGATRON_OVERLAP_*` variable of the fused path now, so that a typo fails
     where the user can act on it (the dispatcher's construction, a launcher's argument
     check) instead of at the first GPU launch: `MEGATRON_OVERLAP_TILE_LIST`,
-    `MEGATRON_OVERLAP_FAST_LAUNCH`, `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`,
-    `MEGATRON_OVERLAP_FC1_CHUNK_MB`.
+    `MEGATRON_OVERLAP_TMA_STORE`, `MEGATRON_OVERLAP_FAST_LAUNCH`,
+    `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FC1_CHUNK_MB`.
 
     Raises:
         ValueError: a bad value (the message names the variable and what it accepts).
@@ -52,6 +57,7 @@ def check_environment() -> None:
     from megatron_overlap.resource.solver import implementation
 
     tile_list_source()
+    tma_store_enabled()
     fast_launch_enabled()
     load_profile()
     implementation()
@@ -98,6 +104,23 @@ def tile_list_source() -> str:
     if value not in ("device", "host"):
         raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'device' or 'host'")
     return value
+
+
+TMA_STORE_DEFAULT = False
+"""The GEMM2 epilogue's default on the GPU where $MEGATRON_OVERLAP_TMA_STORE is unset."""
+
+
+def tma_store_enabled() -> bool:
+    """$MEGATRON_OVERLAP_TMA_STORE: whether the GPU's default tile configuration stores the
+    GEMM2 tiles through TMA descriptors; `TMA_STORE_DEFAULT` when unset or empty.
+
+    Raises:
+        ValueError: any other value than "0" or "1".
+    """
+    value = os.environ.get(TMA_STORE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{TMA_STORE_ENV}={value!r}: expected '0' or '1'")
+    return TMA_STORE_DEFAULT if value == "" else value == "1"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,10 @@ end):
   holds k remote and G - k local ones, CTA p taking tiles p, p + G, ... (no atomics; the
   default); or two atomic claim counters (dynamic: a slow CTA cannot delay others; each CTA
   claims its next tile before computing the current one, hiding the atomic's latency).
+  Opt-in variants (v5.2, `TileConfig` fields; not yet GPU-run): TMA_STORE, the epilogue
+  stores through a TMA descriptor of the tile's rows (asynchronous: Triton's pipeliner
+  waits for it only before the next tile's epilogue; a full wait and a proxy fence precede
+  each signal), and ROTATE, the static list's waves rotated over the CTAs.
   Signals: a CTA counts the remote tiles it stored per destination and, when it moves on to
   another destination or runs out of work, adds that count to its arrival counter at the
   destination (release, system scope), after a CTA barrier (every thread's peer stores are
@@ -132,15 +136,41 @@ def _signal(peer_sig_ptrs, dest, my_rank, count):
 
 
 @triton.jit
+def _bulk_store_wait(READ_ONLY: tl.constexpr):
+    """Wait until this thread's TMA (bulk tensor) stores are done: READ_ONLY, until they
+    have read their shared-memory source and descriptor (`cp.async.bulk.wait_group.read`);
+    otherwise until their writes are performed, then a proxy fence, so that a release by
+    this CTA after a barrier orders them (the arrival signals). Every thread runs it; only
+    the one that issued the stores has any to wait for. GPU only (inline PTX)."""
+    if READ_ONLY:
+        tl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0;\n\tmov.u32 $0, 0;", "=r",
+                                  [], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+            "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, local_ptr,
           my_rank, F, H, stride_h, stride_wl, stride_wn,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr):
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
+          TMA_STORE: tl.constexpr, USE_TIMER: tl.constexpr):
     """One GEMM2 tile, stored at its destination `dest` (unless `store_ok` is 0): another
     rank's receive buffer (`peer_recv_ptrs[dest]`), or for this rank's own rows the call's
     local buffer `local_ptr`.
 
     With TMA the A block may run past r1 into the next expert's rows and the B block past H
     into the next expert's weight: those rows / columns of the result are never stored.
+
+    TMA_STORE: the epilogue stores through a TMA descriptor made for this tile (its rows'
+    block at the destination, [r1 - r0, H]: the copy engine clips the rows and columns past
+    it), so the store runs on while the CTA computes its next tile (Triton's pipeliner waits
+    for it before the next tile's epilogue reuses its shared memory). Needs H x element size
+    a multiple of 16 bytes (the launcher checks) and 16-byte-aligned destination buffers
+    (every buffer the launcher passes starts an allocation).
+    Otherwise stores from registers, masked. USE_TIMER: on the GPU (where the waits' inline
+    PTX runs; the interpreter has no asynchronous stores to wait for).
     """
     expert = tl.load(tile_ptr + 0)
     r0 = tl.load(tile_ptr + 1)
@@ -175,10 +205,21 @@ def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptr
     else:
         dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(h_ptr.dtype.element_ty))
     dst = tl.multiple_of(dst, 16)
-    out_rows = (dest_row + rows).to(tl.int64)
     r_end = tl.where(store_ok != 0, r1, r0)  # no row stored unless store_ok
-    tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(h_ptr.dtype.element_ty),
-             mask=(r0 + rows[:, None] < r_end) & (cols[None, :] < H))
+    if TMA_STORE:
+        if USE_TIMER:
+            # The previous tile's store may still read the descriptor this one rewrites.
+            _bulk_store_wait(True)
+            tl.debug_barrier()
+        out_desc = tl.make_tensor_descriptor(dst + dest_row.to(tl.int64) * H,
+                                             shape=[tl.maximum(r_end - r0, 1), H],
+                                             strides=[H, 1], block_shape=[BM, BN])
+        if r_end > r0:
+            out_desc.store([0, n0], acc.to(h_ptr.dtype.element_ty))
+    else:
+        out_rows = (dest_row + rows).to(tl.int64)
+        tl.store(dst + out_rows[:, None] * H + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+                 mask=(r0 + rows[:, None] < r_end) & (cols[None, :] < H))
 
 
 @triton.jit
@@ -186,7 +227,7 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, local_ptr
               sig_ptr, my_rank, num_ranks, freed_target, timeout_ns, err_ptr, pend_dest, pend,
               free_dest, free_ok, F, H, stride_h, stride_wl, stride_wn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-              USE_TIMER: tl.constexpr):
+              TMA_STORE: tl.constexpr, USE_TIMER: tl.constexpr):
     """One tile of a CTA's loop, with the CTA's signal state; returns the new state.
 
     State: `pend` remote tiles stored for `pend_dest` and not yet signalled (signalled when
@@ -207,10 +248,13 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, local_ptr
             free_dest = dest
     store_ok = tl.where(remote, free_ok, 1)
     _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, local_ptr,
-          my_rank, F, H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA)
+          my_rank, F, H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA, TMA_STORE,
+          USE_TIMER)
     if remote & (store_ok != 0):
         if dest != pend_dest:
             if pend > 0:
+                if TMA_STORE and USE_TIMER:
+                    _bulk_store_wait(False)  # the counted tiles' rows are written
                 _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
             pend_dest = dest
             pend = 0
@@ -231,16 +275,22 @@ def _gemm_scatter_kernel(
     rmap_ptr, counts_ptr, base_ptr, index_ptr, index_blocks, num_tokens, num_experts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
     STATIC: tl.constexpr, USE_TIMER: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
-    EP2: tl.constexpr, IBT: tl.constexpr, CB: tl.constexpr,
+    EP2: tl.constexpr, IBT: tl.constexpr, CB: tl.constexpr, TMA_STORE: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     """Run this CTA's share of the GEMM2 tiles, then its share of the finalize index; see
     the module docstring.
 
     tiles: int32 [num_remote + num_local, TILE_FIELDS]. STATIC: one list in wave order
-    (CTA p takes p, p + G, ...). Dynamic: the remote-bound tiles, then the local ones, each
-    claimed through its counter (counters int32 [2], zero before the launch). sig: this
-    rank's int64 [2 * num_ranks] counters (arrivals, then every rank's finalize count);
-    a remote destination's tiles are stored once its finalize count reached freed_target.
+    (CTA p takes p, p + G, ...; with ROTATE, in wave w the position w * G + (p + w *
+    num_comm) mod G, so the wave's remote-bound positions, its first ones, fall to other
+    CTAs each wave instead of always to CTAs 0..k-1: every CTA computes local tiles while
+    its remote stores drain, which an asynchronous epilogue (TMA_STORE) can use; each wave
+    is still taken whole, by its G CTAs). Dynamic: the remote-bound tiles, then the local
+    ones, each claimed through its counter (counters int32 [2], zero before the launch).
+    sig: this rank's int64 [2 * num_ranks] counters (arrivals, then every rank's finalize
+    count); a remote destination's tiles are stored once its finalize count reached
+    freed_target.
 
     After its tiles and its last signal, CTA p builds the finalize index's token blocks p,
     p + G, ... < index_blocks (`_index_block` with rmap, counts, base, index, num_tokens,
@@ -261,13 +311,23 @@ def _gemm_scatter_kernel(
     pend = 0
     free_dest = my_rank  # the last remote destination found free, and whether it was
     free_ok = 1
-    if STATIC:
+    if STATIC and ROTATE:
+        num_tiles = num_remote + num_local
+        for w in range(0, tl.cdiv(num_tiles, grid)):
+            t = w * grid + (pid + w * num_comm) % grid
+            if t < num_tiles:
+                pend_dest, pend, free_dest, free_ok = _run_tile(
+                    h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + t * 6, peer_recv_ptrs,
+                    local_ptr, peer_sig_ptrs, sig_ptr, my_rank, num_ranks, freed_target,
+                    timeout_ns, err_ptr, pend_dest, pend, free_dest, free_ok, F, H, stride_h,
+                    stride_wl, stride_wn, BM, BN, BK, USE_TMA, TMA_STORE, USE_TIMER)
+    elif STATIC:
         for t in range(pid, num_remote + num_local, grid):
             pend_dest, pend, free_dest, free_ok = _run_tile(
                 h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + t * 6, peer_recv_ptrs, local_ptr,
                 peer_sig_ptrs, sig_ptr, my_rank, num_ranks, freed_target, timeout_ns, err_ptr,
                 pend_dest, pend, free_dest, free_ok, F, H, stride_h, stride_wl, stride_wn,
-                BM, BN, BK, USE_TMA, USE_TIMER)
+                BM, BN, BK, USE_TMA, TMA_STORE, USE_TIMER)
     else:
         for phase in range(2):
             take_remote = (pid < num_comm) == (phase == 0)
@@ -282,9 +342,12 @@ def _gemm_scatter_kernel(
                     h_ptr, w2_ptr, a_desc, b_desc, tiles_ptr + (first + t) * 6,
                     peer_recv_ptrs, local_ptr, peer_sig_ptrs, sig_ptr, my_rank, num_ranks,
                     freed_target, timeout_ns, err_ptr, pend_dest, pend, free_dest, free_ok, F,
-                    H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA, USE_TIMER)
+                    H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA, TMA_STORE,
+                    USE_TIMER)
                 t = t_next
     if pend > 0:
+        if TMA_STORE and USE_TIMER:
+            _bulk_store_wait(False)  # the counted tiles' rows are written
         _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
     for b in range(pid, index_blocks, grid):
         _index_block(b, rmap_ptr, counts_ptr, base_ptr, index_ptr, num_tokens, num_experts,

@@ -39,6 +39,7 @@ compiling, so no rank's finalize waits out a peer's JIT compilation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +49,7 @@ import torch.distributed as dist
 import triton
 
 from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
+from megatron_overlap.config import tma_store_enabled
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.kernels.launch import FastLauncher
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
@@ -66,7 +68,12 @@ class TileConfig:
     """GEMM2 tile and launch configuration of `_gemm_scatter_kernel`.
 
     bm x bn output tile (rows x hidden columns), bk the FFN depth per K step, Triton
-    num_warps / num_stages; static: wave-ordered tile list (True) or atomic claims (False).
+    num_warps / num_stages; static: wave-ordered tile list (True) or atomic claims (False);
+    tma_store: the epilogue stores each tile through a TMA descriptor (asynchronous: the
+    store overlaps the CTA's next tile) where H x element size is a multiple of 16 bytes,
+    else from registers (`_tile`); rotate (static only): each wave's remote-bound
+    positions go to other CTAs every wave instead of always to CTAs 0..k-1
+    (`_gemm_scatter_kernel`'s ROTATE). Neither changes the result (bit for bit).
     """
 
     bm: int = 128
@@ -75,6 +82,8 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     static: bool = True
+    tma_store: bool = False
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -84,7 +93,11 @@ class TileConfig:
 
 
 DEFAULT_TILE = TileConfig()
-"""GPU default (measured choice: docs/perf_notes.md)."""
+"""GPU default with the epilogue's stores from registers (measured choice:
+docs/perf_notes.md); `default_tile` gives it or `DEFAULT_TMA_TILE`."""
+DEFAULT_TMA_TILE = dataclasses.replace(DEFAULT_TILE, tma_store=True)
+"""`DEFAULT_TILE` with the epilogue's stores through TMA descriptors
+($MEGATRON_OVERLAP_TMA_STORE, `megatron_overlap.config.tma_store_enabled`)."""
 INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
 """Small tiles for the Triton interpreter (speed)."""
 FINALIZE_BLOCK = (32, 128)
@@ -101,8 +114,15 @@ index's [64, EP2] int32 tiles would crowd the GEMM2 kernel's registers)."""
 
 
 def default_tile(device: torch.device) -> TileConfig:
-    """`DEFAULT_TILE` on CUDA, `INTERPRETER_TILE` elsewhere."""
-    return DEFAULT_TILE if torch.device(device).type == "cuda" else INTERPRETER_TILE
+    """On CUDA `DEFAULT_TILE`, or `DEFAULT_TMA_TILE` where `tma_store_enabled()`;
+    `INTERPRETER_TILE` elsewhere."""
+    if torch.device(device).type != "cuda":
+        return INTERPRETER_TILE
+    return _gpu_tile()
+
+
+def _gpu_tile() -> TileConfig:
+    return DEFAULT_TMA_TILE if tma_store_enabled() else DEFAULT_TILE
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -377,11 +397,11 @@ def compiled_resources(dtype: torch.dtype, ffn: int, hidden: int,
                        index: Optional[tuple] = None) -> Optional[KernelResources]:
     """Registers, shared memory and threads of the GEMM2 + scatter kernel compiled for this
     shape (the resource manager's occupancy input), or None before its first GPU launch in
-    this process. `index`: `gemm_index_key` of the call (None: any; the first recorded for
-    this shape)."""
+    this process. `tile`: None for the GPU's default (`default_tile`); `index`:
+    `gemm_index_key` of the call (None: any; the first recorded for this shape)."""
     if index is not None:
-        return _RESOURCES.get((dtype, ffn, hidden, tile or DEFAULT_TILE, index))
-    want = (dtype, ffn, hidden, tile or DEFAULT_TILE)
+        return _RESOURCES.get((dtype, ffn, hidden, tile or _gpu_tile(), index))
+    want = (dtype, ffn, hidden, tile or _gpu_tile())
     for key, res in _RESOURCES.items():
         if key[:4] == want:
             return res
@@ -862,6 +882,8 @@ class _Call:
             w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks, tokens, experts,
             BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
             USE_TIMER=self.gpu, TP=tp, K=kk, EP2=ep2, IBT=im["BT"], CB=im["CB"],
+            TMA_STORE=t.tma_store and self.hidden * h.element_size() % 16 == 0,
+            ROTATE=t.rotate and t.static,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.gpu:

@@ -321,6 +321,7 @@ def test_flag_on_matches_flag_off(world):
     ("MEGATRON_OVERLAP_SOLVER", "bogus", "MEGATRON_OVERLAP_SOLVER='bogus'"),
     ("MEGATRON_OVERLAP_FAST_LAUNCH", "yes", "MEGATRON_OVERLAP_FAST_LAUNCH='yes'"),
     ("MEGATRON_OVERLAP_FC1_CHUNK_MB", "0", "MEGATRON_OVERLAP_FC1_CHUNK_MB='0'"),
+    ("MEGATRON_OVERLAP_TMA_STORE", "on", "MEGATRON_OVERLAP_TMA_STORE='on'"),
 ])
 def test_bad_environment_fails_at_construction(monkeypatch, var, value, match):
     """A typo in a fused-path variable is an error when the dispatcher is built, on any

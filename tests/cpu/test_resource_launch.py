@@ -175,6 +175,8 @@ def test_regret_summary_table_and_plot(tmp_path):
     ("bench_op.py", ["--stack-dump-s", "0"], "--stack-dump-s: '0': expected a finite number"),
     ("bench_op.py", ["--models", "nosuch"], "model 'nosuch': unknown"),
     ("bench_op.py", ["--variants", "bogus"], "tile variant 'bogus'"),
+    ("bench_op.py", ["--variants", "128x256x64w8s3dynrot"],
+     "'rot' only with the static schedule"),
     ("bench_op.py", ["--out", "."], "--out '.' is a directory"),
     ("bench_op.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
     ("bench_layer.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
@@ -195,6 +197,27 @@ def test_launchers_reject_bad_values(script, args, message, tmp_path):
     proc = subprocess.run([sys.executable, str(launch), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bench_op_tile_variant_names():
+    import importlib.util
+
+    from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "bench_op.py"
+    spec = importlib.util.spec_from_file_location("bench_op_launcher", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.parse_tile("128x256x64w8s3") == (TileConfig(), 1)
+    assert module.parse_tile("128x128x64w4s3dyng2") == (
+        TileConfig(bn=128, num_warps=4, static=False), 2)
+    assert module.parse_tile("128x256x64w8s3tma") == (TileConfig(tma_store=True), 1)
+    assert module.parse_tile("128x256x64w8s3rot") == (TileConfig(rotate=True), 1)
+    assert module.parse_tile("128x256x64w8s3tmarot") == (
+        TileConfig(tma_store=True, rotate=True), 1)
+    for bad in ("128x256x64w8s3rottma", "128x256x64w8s3dynrot", "128x256"):
+        with pytest.raises(ValueError, match=f"tile variant {bad!r}"):
+            module.parse_tile(bad)
 
 
 def test_trace_summary_skips_non_events_and_names_bad_times(tmp_path):

@@ -197,3 +197,25 @@ def test_compiled_kernel_resources_feed_the_plan():
     assert op.call_resources(torch.bfloat16, 777, 333, 1, 8, 128) == want  # as a call asks
     assert op.call_resources(torch.bfloat16, 777, 333, 1, 6, 64) is None
     op._RESOURCES.pop(key)
+
+
+@pytest.mark.parametrize("value, expected", [("", False), ("0", False), ("1", True),
+                                             ("yes", None), ("true", None), (" 1", None)])
+def test_tma_store_variable_picks_the_gpu_default_tile(monkeypatch, value, expected):
+    """$MEGATRON_OVERLAP_TMA_STORE: the GPU's default tile stores through TMA descriptors
+    ("1") or from registers ("0", unset: `TMA_STORE_DEFAULT`); anything else is refused,
+    naming the variable. The interpreter's tile never changes."""
+    import torch
+
+    from megatron_overlap import config
+    from megatron_overlap.ops import triton_gemm2_gatherrs as op
+
+    monkeypatch.setenv(config.TMA_STORE_ENV, value)
+    if expected is None:
+        with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_TMA_STORE={value!r}"):
+            op.default_tile(torch.device("cuda"))
+        return
+    want = expected if value else config.TMA_STORE_DEFAULT
+    tile = op.default_tile(torch.device("cuda"))
+    assert tile.tma_store is want and tile == (op.DEFAULT_TMA_TILE if want else op.DEFAULT_TILE)
+    assert op.default_tile(torch.device("cpu")) == op.INTERPRETER_TILE

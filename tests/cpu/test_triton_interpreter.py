@@ -239,11 +239,19 @@ def _simulate() -> dict:
 
     plan = Plan(num_comm_ctas=1, num_ctas=1, source="test")
     # (plan, tile) variants, one per case in turn: one program; several programs with the
-    # wave-ordered list (k remote-first CTAs); several programs claiming tiles dynamically.
+    # wave-ordered list (k remote-first CTAs); several programs claiming tiles dynamically;
+    # several programs storing each tile through a TMA descriptor of its rows (`_tile`: the
+    # rows past a short tile's end must be clipped, not stored into the next segment's);
+    # the same with the static schedule's waves rotated over the programs (ROTATE: every
+    # tile taken once, whichever program takes it).
     variants = [(plan, INTERPRETER_TILE),
                 (Plan(num_comm_ctas=1, num_ctas=3, source="test"), INTERPRETER_TILE),
                 (Plan(num_comm_ctas=2, num_ctas=3, source="test"),
-                 dataclasses.replace(INTERPRETER_TILE, static=False))]
+                 dataclasses.replace(INTERPRETER_TILE, static=False)),
+                (Plan(num_comm_ctas=1, num_ctas=2, source="test"),
+                 dataclasses.replace(INTERPRETER_TILE, tma_store=True)),
+                (Plan(num_comm_ctas=3, num_ctas=4, source="test"),
+                 dataclasses.replace(INTERPRETER_TILE, tma_store=True, rotate=True))]
     # Every buffer a finalize may read starts as NaN (the receive buffers before each case,
     # each call's local buffer when it is allocated): a row read from the wrong buffer, or
     # never written, shows in the output.
@@ -302,9 +310,11 @@ def _simulate() -> dict:
         ws = spaces[(case.tp, case.ep)]
         operands = [rank_operands(case, g) for g in range(r)]
         maps = [meta.routing_map for _, _, meta in operands]
+        # (every other case with the TMA-store epilogue: the GEMM2 into y)
+        tile = dataclasses.replace(INTERPRETER_TILE, tma_store=n % 2 == 1)
         calls = [PreReducedCall(meta, ws[g], variants[n % 2][0], hidden=w2.shape[1],
                                 dtype=h.dtype, device=h.device, timeout_s=30.0,
-                                tile=INTERPRETER_TILE, routing_maps=maps)
+                                tile=tile, routing_maps=maps)
                  for g, (h, w2, meta) in enumerate(operands)]
         for call, (h, w2, _) in zip(calls, operands):
             call.send(h, w2)
@@ -345,24 +355,28 @@ def _simulate() -> dict:
             messages.append(str(err))
     report["bad_operands"] = messages
     # A receive buffer still in use: rank 1 sends call 1 but never finalizes it, so rank 0's
-    # producer must time out before storing call 2's rows into rank 1's buffer.
-    ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
-                          capacity_rows=256)
-    calls = [_Call(m, ws[g], plan, hidden=w.shape[1], dtype=x.dtype, device=x.device,
-                   timeout_s=0.02) for g, (x, w, m) in enumerate(rank_operands(case, g)
-                                                                for g in range(2))]
-    for g, (x, w, _) in enumerate(rank_operands(case, g) for g in range(2)):
-        calls[g].send(x, w)
-    calls[0].finish()
-    h, w2, meta = rank_operands(case, 0)
-    call = _Call(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
-                 timeout_s=0.02)
-    ws[1].recv.fill_(-7.0)  # poison: a store into rank 1's buffer would show
-    stored = ws[1].recv.clone()
-    call.send(h, w2)
-    report["producer_timeout"] = _finish_error(call)
-    if not torch.equal(stored, ws[1].recv):
-        report["producer_timeout"] += " (and rank 1's buffer was overwritten)"
+    # producer must time out before storing call 2's rows into rank 1's buffer (with either
+    # epilogue: stores from registers, or through a TMA descriptor).
+    for name, tile in (("producer_timeout", INTERPRETER_TILE),
+                       ("producer_timeout_tma",
+                        dataclasses.replace(INTERPRETER_TILE, tma_store=True))):
+        ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
+                              capacity_rows=256)
+        calls = [_Call(m, ws[g], plan, hidden=w.shape[1], dtype=x.dtype, device=x.device,
+                       timeout_s=0.02, tile=tile)
+                 for g, (x, w, m) in enumerate(rank_operands(case, g) for g in range(2))]
+        for g, (x, w, _) in enumerate(rank_operands(case, g) for g in range(2)):
+            calls[g].send(x, w)
+        calls[0].finish()
+        h, w2, meta = rank_operands(case, 0)
+        call = _Call(meta, ws[0], plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
+                     timeout_s=0.02, tile=tile)
+        ws[1].recv.fill_(-7.0)  # poison: a store into rank 1's buffer would show
+        stored = ws[1].recv.clone()
+        call.send(h, w2)
+        report[name] = _finish_error(call)
+        if not torch.equal(stored, ws[1].recv):
+            report[name] += " (and rank 1's buffer was overwritten)"
     # The same for a pre-reduced send: rank 1 never finalizes call 1.
     ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
                           capacity_rows=256)
@@ -398,11 +412,13 @@ def test_kernels_in_interpreter():
     assert report.pop("tile_list") is None
     assert "finalize timed out waiting for sender rank 1" in timeout_msg, timeout_msg
     assert "tp_ep rank 0" in timeout_msg, timeout_msg
-    producer_msg = report.pop("producer_timeout")
-    assert producer_msg.startswith(
-        "gemm2_gatherrs (Triton) on tp_ep rank 0: the GEMM2 producer timed out waiting for "
-        "rank 1 to free its receive buffer: its finalize count 0, expected >= 1"), producer_msg
-    assert "overwritten" not in producer_msg, producer_msg
+    for name in ("producer_timeout", "producer_timeout_tma"):
+        producer_msg = report.pop(name)
+        assert producer_msg.startswith(
+            "gemm2_gatherrs (Triton) on tp_ep rank 0: the GEMM2 producer timed out waiting for "
+            "rank 1 to free its receive buffer: its finalize count 0, expected >= 1"
+        ), (name, producer_msg)
+        assert "overwritten" not in producer_msg, (name, producer_msg)
     send_msg = report.pop("send_timeout")
     assert send_msg.startswith(
         "gemm2_gatherrs (Triton) on tp_ep rank 0: the pre-reduced send timed out waiting for "

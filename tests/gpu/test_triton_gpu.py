@@ -137,6 +137,22 @@ def _op_worker(rank: int, world: int) -> dict:
             out = _run_tile(case, rank, tile)
             report[f"{case} tile {name} vs reference"] = describe_mismatch(
                 out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
+    # The epilogue's two ways of storing a tile (from registers; through a TMA descriptor of
+    # the tile's rows, clipped at a short tile's end) and the rotated static schedule store
+    # the same values: bit for bit.
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE, DEFAULT_TMA_TILE
+
+    variants = {"TMA-store epilogue": DEFAULT_TMA_TILE,
+                "rotated waves": dataclasses.replace(DEFAULT_TILE, rotate=True),
+                "TMA-store epilogue, rotated waves": dataclasses.replace(DEFAULT_TMA_TILE,
+                                                                         rotate=True)}
+    for case in _op_cases(world):
+        plain = _run_tile(case, rank, DEFAULT_TILE)
+        for name, tile in variants.items():
+            out = _run_tile(case, rank, tile)
+            report[f"{case} {name} bitwise equal"] = (
+                None if torch.equal(plain, out) else
+                "differs: " + str(describe_mismatch(out.cpu(), plain.cpu(), rel_tol=0.0)))
     # Same result, bit for bit, for every communication-CTA count.
     case = _op_cases(world)[2]
     first, _ = _run(case, rank, num_comm_ctas=COMM_CTAS[0])
