@@ -92,6 +92,7 @@ from megatron_overlap.config import (
     FC1_IMPL_ARGUMENT,
     PREREDUCE_ARGUMENT,
     fc1_chunk_bytes,
+    tma_store_enabled,
 )
 from megatron_overlap.bench.measure import (
     Timer,
@@ -887,6 +888,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
                 "bias_activation_fusion": run.bias_activation_fusion,
                 "fc1_chunk_bytes": fc1_chunk_bytes(),
+                "tma_store": tma_store_enabled(),  # GEMM2 epilogue: $MEGATRON_OVERLAP_TMA_STORE
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,

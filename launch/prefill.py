@@ -89,6 +89,7 @@ from megatron_overlap.config import (  # noqa: E402
     FC1_IMPL_ARGUMENT,
     PREREDUCE_ARGUMENT,
     fc1_chunk_bytes,
+    tma_store_enabled,
 )
 from megatron_overlap.resource.solver import implementation_name  # noqa: E402
 
@@ -1430,6 +1431,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
         "bias_activation_fusion": run.bias_activation_fusion,
         "fc1_chunk_bytes": fc1_chunk_bytes(),
+        "tma_store": tma_store_enabled(),  # the GEMM2 epilogue ($MEGATRON_OVERLAP_TMA_STORE)
         "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
         "backend": backend,
         "reference": reference_used,

@@ -165,6 +165,7 @@ def test_fc1_impl_reaches_the_flag_on_experts(tmp_path):
     on = next(r for r in rows if r["variant"] == "on")
     assert on["fc1_impl"] == "grouped" and on["agree"], on
     assert on["bias_activation_fusion"] is False and on["fc1_chunk_bytes"] == 128 * 2**20, on
+    assert on["tma_store"] is False, on
     from megatron_overlap.resource.solver import implementation_name
 
     assert on["resource_solver"] == implementation_name(), on  # the launcher's, this one's
