@@ -1,0 +1,183 @@
+"""Compile the GEMM2 + scatter kernel for Hopper (sm_90) on a machine without a GPU.
+
+    python3 launch/compile_sm90.py --ffn 768 --hidden 2048 --tma-store --out /tmp/sm90
+    python3 launch/compile_sm90.py --compare /path/to/other/checkout   # SASS identical?
+
+Triton compiles `_gemm_scatter_kernel` with the specialisations a GPU launch of that shape
+gives it (bf16, 16-byte-aligned pointers, F / H / strides divisible by 16), through its own
+bundled ptxas, and prints the kernel's shared memory, the count of a few instructions of
+interest in its PTX (TMA copies, bulk waits, proxy fences, barriers, wgmma) and where the
+TTGIR waits for the epilogue's TMA store (right after it: synchronous; before the next
+tile's store into the same buffer: asynchronous). `--out DIR` keeps the PTX, TTGIR and
+cubin. `--compare TREE` compiles the same kernel from another checkout of this repository
+(e.g. `git worktree add /tmp/base HEAD`) and says whether the two SASS listings are
+identical (addresses stripped), which is how a change can be shown to leave a compiled
+variant untouched without a GPU. Use the Triton version of the GPU machine for findings
+that matter there (`pip install --target DIR triton==3.6.0`, then `PYTHONPATH=DIR`):
+the pipeliner differs between versions (Triton 3.9 keeps the TMA-store epilogue
+synchronous where 3.6 makes it asynchronous, docs/perf_notes.md v5.2).
+
+Exit status 0, or 2 with a message for bad arguments or a Triton without the CUDA backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+KERNEL_ARGS = dict(
+    h_ptr="*bf16", w2_ptr="*bf16", tiles_ptr="*i32", num_remote="i32", num_local="i32",
+    counters_ptr="*i32", peer_recv_ptrs="*i64", local_ptr="*bf16", peer_sig_ptrs="*i64",
+    sig_ptr="*i64", my_rank="i32", num_ranks="i32", num_comm="i32", freed_target="i64",
+    timeout_ns="i64", err_ptr="*i64", N="i32", F="i32", H="i32", L="i32", stride_h="i32",
+    stride_wl="i32", stride_wn="i32", rmap_ptr="*u8", counts_ptr="*i32", base_ptr="*i32",
+    index_ptr="*i32", index_blocks="i32", num_tokens="i32", num_experts="i32")
+"""The kernel's runtime arguments and their Triton types as a bf16 GPU launch passes them."""
+
+PTX_COUNTS = ("cp.async.bulk.tensor", "cp.async.bulk.wait_group", "fence.proxy", "bar.sync",
+              "wgmma.mma_async", "st.global")
+
+SHARED_LIMIT_BYTES = 232448
+"""Shared memory one CTA may use on sm_90 (227 KiB)."""
+
+
+def compile_kernel(repo: str, *, ffn: int, hidden: int, topk: int, experts_pow2: int,
+                   tp: int, tma_store: bool, rotate: bool, static: bool, tma_loads: bool,
+                   num_warps: int = 8, num_stages: int = 3, bm: int = 128, bn: int = 256,
+                   bk: int = 64) -> dict:
+    """Compile `repo`'s kernel for sm_90; returns {shared, ptx, ttgir, sass, counts,
+    store_wait}. Runs in this process (the caller puts `repo` first on sys.path)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_overlap.kernels import gemm2_gatherrs as k
+
+    fn = k._gemm_scatter_kernel
+    consts = dict(BM=bm, BN=bn, BK=bk, USE_TMA=tma_loads, STATIC=static, USE_TIMER=True,
+                  TP=tp, K=topk, EP2=experts_pow2, IBT=64, CB=32)
+    for name, value in (("TMA_STORE", tma_store), ("ROTATE", rotate)):
+        if name in fn.arg_names:  # (a checkout from before v5.2 has neither)
+            consts[name] = value
+        elif value:
+            raise ValueError(f"{repo}: its kernel has no {name} parameter")
+    signature = {n: "constexpr" if n in consts else KERNEL_ARGS[n] for n in fn.arg_names}
+    aligned = [n for n, t in KERNEL_ARGS.items() if t.startswith("*")]
+    aligned += ["F", "H", "stride_h", "stride_wl", "stride_wn"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    lines = ttgir.splitlines()
+    store_wait = "none"
+    for i, line in enumerate(lines):
+        if "async_tma_copy_local_to_global" in line:
+            after = "\n".join(lines[i + 1: i + 2])
+            store_wait = "synchronous" if "async_tma_store_wait" in after else "asynchronous"
+    return dict(shared=int(compiled.metadata.shared), ptx=ptx, ttgir=ttgir,
+                cubin=compiled.asm["cubin"],
+                counts={p: len(re.findall(re.escape(p), ptx)) for p in PTX_COUNTS},
+                store_wait=store_wait)
+
+
+def sass(cubin: bytes) -> str:
+    """The cubin's SASS listing with addresses stripped (Triton's bundled nvdisasm)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return re.sub(r"/\*[0-9a-f]+\*/", "", text)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ffn", type=_positive, default=768, help="F (default 768)")
+    parser.add_argument("--hidden", type=_positive, default=2048, help="H (default 2048)")
+    parser.add_argument("--topk", type=_positive, default=8)
+    parser.add_argument("--experts-pow2", type=_positive, default=128,
+                        help="EP2: experts rounded up to a power of two (default 128)")
+    parser.add_argument("--tp", type=_positive, default=1)
+    parser.add_argument("--tma-store", action="store_true", help="TileConfig.tma_store")
+    parser.add_argument("--rotate", action="store_true", help="TileConfig.rotate")
+    parser.add_argument("--dynamic", action="store_true", help="atomic tile claims")
+    parser.add_argument("--pointer-loads", action="store_true",
+                        help="no TMA loads (rows not 16-byte aligned)")
+    parser.add_argument("--num-stages", type=_positive, default=3)
+    parser.add_argument("--out", default="", help="folder for the PTX, TTGIR and cubin")
+    parser.add_argument("--compare", default="",
+                        help="another checkout: compile its kernel alike and compare SASS")
+    args = parser.parse_args(argv)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if args.compare and not os.path.isdir(os.path.join(args.compare, "megatron_overlap")):
+        parser.error(f"--compare {args.compare!r}: not a checkout of this repository")
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError as err:
+        print(f"compile_sm90.py: Triton's CUDA backend is not importable ({err})",
+              file=sys.stderr)
+        return 2
+    options = dict(ffn=args.ffn, hidden=args.hidden, topk=args.topk,
+                   experts_pow2=args.experts_pow2, tp=args.tp, tma_store=args.tma_store,
+                   rotate=args.rotate, static=not args.dynamic,
+                   tma_loads=not args.pointer_loads, num_stages=args.num_stages)
+    if args.rotate and args.dynamic:
+        parser.error("--rotate needs the static schedule (no --dynamic)")
+    sys.path.insert(0, repo)
+    try:
+        result = compile_kernel(repo, **options)
+    except ValueError as err:
+        print(f"compile_sm90.py: {err}", file=sys.stderr)
+        return 2
+    summary = dict(shared_bytes=result["shared"],
+                   fits_sm90=result["shared"] <= SHARED_LIMIT_BYTES,
+                   tma_store_wait=result["store_wait"], ptx_counts=result["counts"],
+                   triton=__import__("triton").__version__, options=options)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        for ext in ("ptx", "ttgir"):
+            with open(os.path.join(args.out, f"gemm_scatter.{ext}"), "w") as f:
+                f.write(result[ext])
+        with open(os.path.join(args.out, "gemm_scatter.cubin"), "wb") as f:
+            f.write(result["cubin"])
+    if args.compare:
+        # The other checkout in a child process: its package must not mix with this one.
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+                "sys.path.insert(0, sys.argv[2]); import compile_sm90 as c; "
+                "r = c.compile_kernel(sys.argv[1], **json.loads(sys.argv[3])); "
+                "sys.stdout.write(c.sass(r['cubin']))")
+        other = subprocess.run(
+            [sys.executable, "-c", code, os.path.abspath(args.compare),
+             os.path.dirname(os.path.abspath(__file__)), json.dumps(options)],
+            capture_output=True, text=True)
+        if other.returncode != 0:
+            print(f"compile_sm90.py: compiling {args.compare}'s kernel failed:\n"
+                  f"{other.stderr[-3000:]}", file=sys.stderr)
+            return 2
+        summary["sass_identical_to_compare"] = other.stdout == sass(result["cubin"])
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
