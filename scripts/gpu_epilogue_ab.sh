@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# GPU checks and side-by-side measurements of the GEMM2 kernel's two opt-in variants of
+# v5.2 (docs/perf_notes.md v5.2), written in a session that had no GPU machine:
+#   tma  the epilogue stores each tile through a TMA descriptor of its rows, asynchronously
+#        (TileConfig.tma_store; MEGATRON_OVERLAP_TMA_STORE=1 makes it the GPU default)
+#   rot  the static schedule's waves rotated over the CTAs (TileConfig.rotate)
+# Device tool: kind nvidia-h200-x2 (the op and layer phases also run on one GPU, at world 1),
+# carry [".whl"], one phase per call (each fits the 600 s limit):
+#
+#   source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh tests
+#   source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh op
+#   source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh layer
+#
+#   tests  tests/gpu/test_triton_gpu.py's reference tests (world 1 and 2: every variant bit
+#          for bit equal to the default tile, on every case), then the protocol tests
+#          (back-to-back calls with a late finalize, the timeout diagnosis, flag on vs off)
+#          with MEGATRON_OVERLAP_TMA_STORE=1; log $OUT/gpu_tests.log
+#   op     launch/bench_op.py, 5 models x 4096 / 16384 tokens per rank x EP / TP (EP only on
+#          one GPU), the default tile and the three variants side by side in one run
+#          (rows ours[<tile>] and nocomm[<tile>]); rows $OUT/bench_op_epilogue.jsonl
+#   layer  launch/bench_layer.py, Qwen3-30B-A3B and DeepSeek-V2-Lite at 32768 tokens, EP2
+#          and TP2 (EP1 on one GPU), MEGATRON_OVERLAP_TMA_STORE=0 and 1 alternately (two
+#          rounds each, ~60-150 s a process), then a table of flag on's p50 per setting
+#          against off-grouped; rows $OUT/layer_tma{0,1}.jsonl
+# MO_MODELS, MO_TOKENS (op), MO_SEQS (layer) override the lists.
+set -o pipefail
+
+if [[ "${NCCL_NVLS_ENABLE:-}" != 0 || "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" != 1 \
+      || "${NVSHMEM_DISABLE_NVLS:-}" != 1 ]]; then
+  echo "gpu_epilogue_ab.sh: NVLink multicast is not switched off; run" \
+       "'source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh PHASE'" >&2
+  exit 2
+fi
+cd "$(dirname "$0")/.." || exit 2
+out=${OUT:-results/epilogue_ab}
+mkdir -p "$out" || exit 2
+nproc=$(python3 -c "import torch; print(torch.cuda.device_count())") || exit 2
+if [[ "$nproc" -lt 1 ]]; then
+  echo "gpu_epilogue_ab.sh: no GPU" >&2
+  exit 2
+fi
+nproc=$(( nproc >= 2 ? 2 : 1 ))
+export TQDM_DISABLE=1
+
+case "${1:-}" in
+  tests)
+    status=0
+    timeout 420 python3 -m pytest tests/gpu/test_triton_gpu.py -q -ra -p no:cacheprovider \
+      -k "test_triton_matches_reference" 2>&1 | tee "$out/gpu_tests.log" | tail -8 || status=1
+    MEGATRON_OVERLAP_TMA_STORE=1 timeout 170 python3 -m pytest tests/gpu/test_triton_gpu.py \
+      -q -ra -p no:cacheprovider \
+      -k "back_to_back or timeout_names or test_flag_on_triton_matches_flag_off" 2>&1 \
+      | tee -a "$out/gpu_tests.log" | tail -8 || status=1
+    exit $status
+    ;;
+  op)
+    layouts="ep tp"
+    [[ "$nproc" -eq 1 ]] && layouts="ep"
+    # shellcheck disable=SC2086  # word lists
+    timeout 570 torchrun --standalone --nproc_per_node "$nproc" launch/bench_op.py \
+      --models ${MO_MODELS:-qwen3-30b-a3b deepseek-v2-lite qwen1.5-moe-a2.7b mixtral-8x7b phi-3.5-moe} \
+      --tokens ${MO_TOKENS:-4096 16384} --layouts $layouts --warmup 3 --iters 20 \
+      --variants 128x256x64w8s3 128x256x64w8s3tma 128x256x64w8s3rot 128x256x64w8s3tmarot \
+      --out "$out/bench_op_epilogue.jsonl" 2>&1 | tee "$out/bench_op.log" | grep -v -i warn \
+      | tail -70
+    ;;
+  layer)
+    layouts="ep2 tp2"
+    [[ "$nproc" -eq 1 ]] && layouts="ep1"
+    rm -f "$out/layer_tma0.jsonl" "$out/layer_tma1.jsonl"
+    status=0
+    for round in 1 2; do
+      for tma in 0 1; do
+        echo "== round $round, MEGATRON_OVERLAP_TMA_STORE=$tma"
+        # shellcheck disable=SC2086
+        MEGATRON_OVERLAP_TMA_STORE=$tma timeout 150 torchrun --standalone \
+          --nproc_per_node "$nproc" launch/bench_layer.py \
+          --model ${MO_MODELS:-qwen3-30b-a3b deepseek-v2-lite} \
+          --seq-lengths ${MO_SEQS:-32768} --layouts $layouts --baselines off-grouped \
+          --warmup 3 --iters 20 --out "$out/layer_tma$tma.jsonl" 2>&1 \
+          | tee -a "$out/layer.log" | grep -v -i warn | tail -3 || status=1
+      done
+    done
+    python3 - "$out/layer_tma0.jsonl" "$out/layer_tma1.jsonl" <<'EOF' || status=1
+import json, sys
+from collections import defaultdict
+p50 = defaultdict(list)  # (model, layout, seq, tma, variant) -> p50 of each round
+for path in sys.argv[1:]:
+    for line in open(path):
+        r = json.loads(line)
+        p50[(r["model"], r["layout"], r["seq_length"], r["tma_store"], r["variant"])].append(
+            r["ms_p50"])
+cells = sorted({k[:3] for k in p50})
+print("| model | layout | seq | on, tma 0 (rounds) | on, tma 1 (rounds) | tma 1 / tma 0 "
+      "| off-grouped / on, tma 0 | off-grouped / on, tma 1 |")
+print("|---|---|---|---|---|---|---|---|")
+for c in cells:
+    on0, on1 = p50[c + (False, "on")], p50[c + (True, "on")]
+    og = p50[c + (False, "off-grouped")] + p50[c + (True, "off-grouped")]
+    if not (on0 and on1 and og):
+        continue
+    m0, m1, mog = min(on0), min(on1), min(og)
+    print(f"| {c[0]} | {c[1]} | {c[2]} | {' '.join(f'{x:.3f}' for x in on0)} | "
+          f"{' '.join(f'{x:.3f}' for x in on1)} | {m1 / m0:.3f} | {mog / m0:.3f} | "
+          f"{mog / m1:.3f} |")
+EOF
+    exit $status
+    ;;
+  *)
+    echo "usage: bash scripts/gpu_epilogue_ab.sh tests|op|layer" >&2
+    exit 2
+    ;;
+esac
