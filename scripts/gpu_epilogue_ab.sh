@@ -8,13 +8,16 @@
 # carry [".whl"], one phase per call (each fits the 600 s limit):
 #
 #   source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh tests
+#   source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh protocol
 #   source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh op
 #   source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh layer
 #
-#   tests  tests/gpu/test_triton_gpu.py's reference tests (world 1 and 2: every variant bit
-#          for bit equal to the default tile, on every case), then the protocol tests
-#          (back-to-back calls with a late finalize, the timeout diagnosis, flag on vs off)
-#          with MEGATRON_OVERLAP_TMA_STORE=1; log $OUT/gpu_tests.log
+#   tests     tests/gpu/test_triton_gpu.py's reference tests, world 2 then world 1 (each
+#             case against the reference, and the TMA-store epilogue with and without
+#             rotated waves bit for bit equal to the default tile); log $OUT/gpu_tests.log
+#   protocol  with MEGATRON_OVERLAP_TMA_STORE=1: back-to-back calls with a late finalize
+#             (both modes), the timeout diagnosis, flag on vs flag off (world 2 and 1);
+#             log $OUT/gpu_protocol.log
 #   op     launch/bench_op.py, 5 models x 4096 / 16384 tokens per rank x EP / TP (EP only on
 #          one GPU), the default tile and the three variants side by side in one run
 #          (rows ours[<tile>] and nocomm[<tile>]); rows $OUT/bench_op_epilogue.jsonl
@@ -45,13 +48,20 @@ export TQDM_DISABLE=1
 case "${1:-}" in
   tests)
     status=0
-    timeout 420 python3 -m pytest tests/gpu/test_triton_gpu.py -q -ra -p no:cacheprovider \
-      -k "test_triton_matches_reference" 2>&1 | tee "$out/gpu_tests.log" | tail -8 || status=1
-    MEGATRON_OVERLAP_TMA_STORE=1 timeout 170 python3 -m pytest tests/gpu/test_triton_gpu.py \
+    worlds="2 1"
+    [[ "$nproc" -eq 1 ]] && worlds="1"
+    for world in $worlds; do
+      timeout 330 python3 -m pytest -q -ra -p no:cacheprovider \
+        "tests/gpu/test_triton_gpu.py::test_triton_matches_reference[$world]" 2>&1 \
+        | tee -a "$out/gpu_tests.log" | tail -8 || status=1
+    done
+    exit $status
+    ;;
+  protocol)
+    MEGATRON_OVERLAP_TMA_STORE=1 timeout 570 python3 -m pytest tests/gpu/test_triton_gpu.py \
       -q -ra -p no:cacheprovider \
       -k "back_to_back or timeout_names or test_flag_on_triton_matches_flag_off" 2>&1 \
-      | tee -a "$out/gpu_tests.log" | tail -8 || status=1
-    exit $status
+      | tee "$out/gpu_protocol.log" | tail -12
     ;;
   op)
     layouts="ep tp"
@@ -107,7 +117,7 @@ EOF
     exit $status
     ;;
   *)
-    echo "usage: bash scripts/gpu_epilogue_ab.sh tests|op|layer" >&2
+    echo "usage: bash scripts/gpu_epilogue_ab.sh tests|protocol|op|layer" >&2
     exit 2
     ;;
 esac

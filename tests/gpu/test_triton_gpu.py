@@ -138,12 +138,12 @@ def _op_worker(rank: int, world: int) -> dict:
             report[f"{case} tile {name} vs reference"] = describe_mismatch(
                 out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
     # The epilogue's two ways of storing a tile (from registers; through a TMA descriptor of
-    # the tile's rows, clipped at a short tile's end) and the rotated static schedule store
-    # the same values: bit for bit.
+    # the tile's rows, clipped at a short tile's end), with and without the rotated static
+    # schedule, store the same values: bit for bit. (Two variants, not three: each compiles
+    # once per shape, and the JIT time is most of this test's.)
     from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE, DEFAULT_TMA_TILE
 
     variants = {"TMA-store epilogue": DEFAULT_TMA_TILE,
-                "rotated waves": dataclasses.replace(DEFAULT_TILE, rotate=True),
                 "TMA-store epilogue, rotated waves": dataclasses.replace(DEFAULT_TMA_TILE,
                                                                          rotate=True)}
     for case in _op_cases(world):
