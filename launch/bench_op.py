@@ -379,10 +379,10 @@ def parse_tile(name: str):
     from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
 
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(dyn)?(g2)?(tma)?(rot)?", name)
-    if not m or (m.group(6) and m.group(9)):
+    if not m or (m.group(6) and (m.group(8) or m.group(9))):
         raise ValueError(f"tile variant {name!r}: expected e.g. 128x256x64w8s3, "
                          "128x128x64w8s3dyn, 128x256x64w8s3tma or 128x256x64w8s3tmarot "
-                         "('rot' only with the static schedule)")
+                         "('tma' and 'rot' only with the static schedule)")
     bm, bn, bk, w, st = (int(x) for x in m.groups()[:5])
     tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) is None,
                       tma_store=m.group(8) is not None, rotate=m.group(9) is not None)

@@ -8,7 +8,9 @@ gives it (bf16, 16-byte-aligned pointers, F / H / strides divisible by 16), thro
 bundled ptxas, and prints the kernel's shared memory, the count of a few instructions of
 interest in its PTX (TMA copies, bulk waits, proxy fences, barriers, wgmma) and where the
 TTGIR waits for the epilogue's TMA store (right after it: synchronous; before the next
-tile's store into the same buffer: asynchronous). `--out DIR` keeps the PTX, TTGIR and
+tile's store into the same buffer: asynchronous), and whether every arrival signal follows
+a full wait for the TMA stores, a proxy fence and a barrier in the PTX
+(`signals_after_bulk_wait`; null without TMA stores). `--out DIR` keeps the PTX, TTGIR and
 cubin. `--compare TREE` compiles the same kernel from another checkout of this repository
 (e.g. `git worktree add /tmp/base HEAD`) and says whether the two SASS listings are
 identical (addresses stripped), which is how a change can be shown to leave a compiled
@@ -83,7 +85,37 @@ def compile_kernel(repo: str, *, ffn: int, hidden: int, topk: int, experts_pow2:
     return dict(shared=int(compiled.metadata.shared), ptx=ptx, ttgir=ttgir,
                 cubin=compiled.asm["cubin"],
                 counts={p: len(re.findall(re.escape(p), ptx)) for p in PTX_COUNTS},
-                store_wait=store_wait)
+                store_wait=store_wait, signals_ordered=signals_after_bulk_wait(ptx))
+
+
+def signals_after_bulk_wait(ptx: str):
+    """Whether every system-scope release atomic (an arrival signal) of a kernel with TMA
+    stores follows, in the PTX text, a full bulk wait (`cp.async.bulk.wait_group 0`, not
+    `.read`) with no TMA store between them, then `fence.proxy.async.global`, then
+    `bar.sync`: the order `_bulk_store_wait(False)` + `_signal` give. None without TMA
+    stores. (Text order, not control flow: a signal whose wait was dropped fails, whichever
+    loop iteration's store it should have waited for.)"""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    if not any("cp.async.bulk.tensor" in ln and ".global.shared" in ln for ln in lines):
+        return None
+    for i, line in enumerate(lines):
+        if not re.search(r"\batom\.global\.sys\.release\.", line):
+            continue
+        seen = []  # what lies between the nearest full wait (or a store) and the signal
+        for prev in reversed(lines[:i]):
+            if "cp.async.bulk.tensor" in prev and ".global.shared" in prev:
+                return False  # a store after the last full wait
+            if re.match(r"(@%p\d+\s+)?cp\.async\.bulk\.wait_group\s+0\s*;", prev):
+                break
+            seen.append(prev)
+        else:
+            return False  # no full wait before this signal
+        seen.reverse()
+        fence = next((j for j, ln in enumerate(seen) if ln.startswith("fence.proxy.async.global")),
+                     None)
+        if fence is None or not any(ln.startswith("bar.sync") for ln in seen[fence:]):
+            return False
+    return True
 
 
 def sass(cubin: bytes) -> str:
@@ -141,8 +173,8 @@ def main(argv=None) -> int:
                    experts_pow2=args.experts_pow2, tp=args.tp, tma_store=args.tma_store,
                    rotate=args.rotate, static=not args.dynamic,
                    tma_loads=not args.pointer_loads, num_stages=args.num_stages)
-    if args.rotate and args.dynamic:
-        parser.error("--rotate needs the static schedule (no --dynamic)")
+    if (args.rotate or args.tma_store) and args.dynamic:
+        parser.error("--rotate and --tma-store need the static schedule (no --dynamic)")
     sys.path.insert(0, repo)
     try:
         result = compile_kernel(repo, **options)
@@ -151,7 +183,9 @@ def main(argv=None) -> int:
         return 2
     summary = dict(shared_bytes=result["shared"],
                    fits_sm90=result["shared"] <= SHARED_LIMIT_BYTES,
-                   tma_store_wait=result["store_wait"], ptx_counts=result["counts"],
+                   tma_store_wait=result["store_wait"],
+                   signals_after_bulk_wait=result["signals_ordered"],
+                   ptx_counts=result["counts"],
                    triton=__import__("triton").__version__, options=options)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

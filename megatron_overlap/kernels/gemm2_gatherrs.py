@@ -152,6 +152,15 @@ def _bulk_store_wait(READ_ONLY: tl.constexpr):
 
 
 @triton.jit
+def _proxy_fence():
+    """`fence.proxy.async.global` in every thread: this thread's generic-proxy accesses
+    before it (the acquire of a destination's free count) are ordered before its TMA
+    (async-proxy) stores after it. GPU only (inline PTX)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, local_ptr,
           my_rank, F, H, stride_h, stride_wl, stride_wn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
@@ -208,7 +217,9 @@ def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptr
     r_end = tl.where(store_ok != 0, r1, r0)  # no row stored unless store_ok
     if TMA_STORE:
         if USE_TIMER:
-            # The previous tile's store may still read the descriptor this one rewrites.
+            # Before the descriptor is rewritten, the stores that read an earlier one have
+            # read it. (Triton 3.6 already alternates two descriptor slots and waits for
+            # their reads itself; this keeps the guarantee where a version does not.)
             _bulk_store_wait(True)
             tl.debug_barrier()
         out_desc = tl.make_tensor_descriptor(dst + dest_row.to(tl.int64) * H,
@@ -246,16 +257,24 @@ def _run_tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, peer_recv_ptrs, local_ptr
             if free_ok == 0:
                 _record_error(err_ptr, _ERR_PRODUCER_WAIT, dest, seen, freed_target)
             free_dest = dest
+            if TMA_STORE and USE_TIMER:
+                _proxy_fence()  # the buffer's old rows were read before the TMA stores
     store_ok = tl.where(remote, free_ok, 1)
+    if TMA_STORE and USE_TIMER:
+        # Moving on to another destination: signal the previous one's tiles before this
+        # tile's store is issued, so the wait for their writes does not wait for it too.
+        if remote & (store_ok != 0) & (dest != pend_dest) & (pend > 0):
+            _bulk_store_wait(False)  # the counted tiles' rows are written
+            _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
+            pend = 0
     _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptrs, local_ptr,
           my_rank, F, H, stride_h, stride_wl, stride_wn, BM, BN, BK, USE_TMA, TMA_STORE,
           USE_TIMER)
     if remote & (store_ok != 0):
         if dest != pend_dest:
-            if pend > 0:
-                if TMA_STORE and USE_TIMER:
-                    _bulk_store_wait(False)  # the counted tiles' rows are written
-                _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
+            if not (TMA_STORE and USE_TIMER):  # (else signalled above)
+                if pend > 0:
+                    _signal(peer_sig_ptrs, pend_dest, my_rank, pend)
             pend_dest = dest
             pend = 0
         pend += 1

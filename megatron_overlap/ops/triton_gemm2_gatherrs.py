@@ -71,9 +71,15 @@ class TileConfig:
     num_warps / num_stages; static: wave-ordered tile list (True) or atomic claims (False);
     tma_store: the epilogue stores each tile through a TMA descriptor (asynchronous: the
     store overlaps the CTA's next tile) where H x element size is a multiple of 16 bytes,
-    else from registers (`_tile`); rotate (static only): each wave's remote-bound
-    positions go to other CTAs every wave instead of always to CTAs 0..k-1
-    (`_gemm_scatter_kernel`'s ROTATE). Neither changes the result (bit for bit).
+    else from registers (`_tile`); rotate: each wave's remote-bound positions go to other
+    CTAs every wave instead of always to CTAs 0..k-1 (`_gemm_scatter_kernel`'s ROTATE).
+    Both need the static schedule; neither changes the result (bit for bit). The TMA-store
+    epilogue adds a bm x bn tile of shared memory (64 KiB at 128 x 256 in bf16): with 4
+    stages at 128 x 256 x 64 it exceeds an H200's 227 KiB (Triton then refuses to launch).
+
+    Raises:
+        ValueError: a tile size that is not a power of two >= 16; tma_store or rotate
+            with static=False.
     """
 
     bm: int = 128
@@ -90,6 +96,12 @@ class TileConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"TileConfig.{name}={v} must be a power of two >= 16")
+        if not self.static and (self.tma_store or self.rotate):
+            # (Triton 3.6 does not compile the TMA-store epilogue in the dynamic schedule's
+            # while loop: "sinking into unhandled control flow op: scf.while".)
+            raise ValueError(f"TileConfig(static=False, tma_store={self.tma_store}, "
+                             f"rotate={self.rotate}): tma_store and rotate need the static "
+                             "schedule (static=True)")
 
 
 DEFAULT_TILE = TileConfig()
@@ -883,7 +895,7 @@ class _Call:
             BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
             USE_TIMER=self.gpu, TP=tp, K=kk, EP2=ep2, IBT=im["BT"], CB=im["CB"],
             TMA_STORE=t.tma_store and self.hidden * h.element_size() % 16 == 0,
-            ROTATE=t.rotate and t.static,
+            ROTATE=t.rotate,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.gpu:

@@ -45,11 +45,37 @@ def test_kernel_compiles_for_sm90_with_and_without_the_tma_epilogue(cuda_backend
     assert summaries["tma"]["tma_store_wait"] in ("synchronous", "asynchronous")
     assert summaries["tma"]["ptx_counts"]["st.global"] < summaries["default"]["ptx_counts"][
         "st.global"], summaries
+    # Every arrival signal waits for the TMA stores' writes first (wait, proxy fence, barrier).
+    assert summaries["default"]["signals_after_bulk_wait"] is None, summaries["default"]
+    assert summaries["tma"]["signals_after_bulk_wait"] is True, summaries["tma"]
+
+
+def test_signal_order_check_fails_without_the_wait():
+    """`signals_after_bulk_wait` on PTX shaped like the kernel's: a signal after a TMA store
+    with the wait, the fence or the barrier missing (or a store between) is caught."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compile_sm90", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    store = "@%p54 cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd1, {%r1, %r2}], [%r3];"
+    wait, fence, bar = "cp.async.bulk.wait_group 0;", "fence.proxy.async.global;", "bar.sync 0;"
+    signal = "@%p60 atom.global.sys.release.add.u64 %rd48, [ %rd49 + 0 ], %rd50;"
+    check = module.signals_after_bulk_wait
+    assert check("\n".join([store, wait, fence, bar, signal])) is True
+    assert check("\n".join([wait, fence, bar, signal, store])) is True  # a loop's next store
+    assert check("\n".join([signal])) is None  # no TMA store at all
+    for broken in ([store, bar, signal], [store, wait, bar, signal], [store, wait, fence, signal],
+                   [wait, fence, store, bar, signal],
+                   [store, "cp.async.bulk.wait_group.read 0;", fence, bar, signal],
+                   [signal, store]):
+        assert check("\n".join(broken)) is False, broken
 
 
 @pytest.mark.parametrize("args, message", [
     (("--ffn", "0"), "--ffn: '0': expected an integer >= 1"),
-    (("--rotate", "--dynamic"), "--rotate needs the static schedule"),
+    (("--rotate", "--dynamic"), "--rotate and --tma-store need the static schedule"),
+    (("--tma-store", "--dynamic"), "--rotate and --tma-store need the static schedule"),
     (("--compare", "/nonexistent"), "not a checkout of this repository"),
 ])
 def test_bad_arguments_exit_2(args, message):

@@ -176,7 +176,7 @@ def test_regret_summary_table_and_plot(tmp_path):
     ("bench_op.py", ["--models", "nosuch"], "model 'nosuch': unknown"),
     ("bench_op.py", ["--variants", "bogus"], "tile variant 'bogus'"),
     ("bench_op.py", ["--variants", "128x256x64w8s3dynrot"],
-     "'rot' only with the static schedule"),
+     "'tma' and 'rot' only with the static schedule"),
     ("bench_op.py", ["--out", "."], "--out '.' is a directory"),
     ("bench_op.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
     ("bench_layer.py", ["--out", "/dev/null/x/rows.jsonl"], "cannot create its folder"),
@@ -215,7 +215,8 @@ def test_bench_op_tile_variant_names():
     assert module.parse_tile("128x256x64w8s3rot") == (TileConfig(rotate=True), 1)
     assert module.parse_tile("128x256x64w8s3tmarot") == (
         TileConfig(tma_store=True, rotate=True), 1)
-    for bad in ("128x256x64w8s3rottma", "128x256x64w8s3dynrot", "128x256"):
+    for bad in ("128x256x64w8s3rottma", "128x256x64w8s3dynrot", "128x256x64w8s3dyntma",
+                "128x256"):
         with pytest.raises(ValueError, match=f"tile variant {bad!r}"):
             module.parse_tile(bad)
 

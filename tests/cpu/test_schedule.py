@@ -219,3 +219,15 @@ def test_tma_store_variable_picks_the_gpu_default_tile(monkeypatch, value, expec
     tile = op.default_tile(torch.device("cuda"))
     assert tile.tma_store is want and tile == (op.DEFAULT_TMA_TILE if want else op.DEFAULT_TILE)
     assert op.default_tile(torch.device("cpu")) == op.INTERPRETER_TILE
+
+
+def test_tile_config_refuses_tma_store_and_rotate_without_the_static_schedule():
+    """The TMA-store epilogue does not compile in the dynamic schedule's loop (Triton 3.6),
+    and the rotation is a static-schedule permutation: both need static=True."""
+    from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
+
+    for fields in (dict(tma_store=True), dict(rotate=True), dict(tma_store=True, rotate=True)):
+        with pytest.raises(ValueError, match="need the static schedule"):
+            TileConfig(static=False, **fields)
+        assert TileConfig(**fields).static  # (static by default)
+    TileConfig(static=False)  # the dynamic schedule alone stays valid

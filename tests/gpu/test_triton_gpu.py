@@ -54,8 +54,13 @@ def _run(case: OpCase, rank: int, *, num_comm_ctas=None, timeout_s=20.0, preredu
     return out, ref
 
 
-def _run_tile(case: OpCase, rank: int, tile) -> torch.Tensor:
-    """The Triton op with an explicit GEMM2 tile configuration (the op's plan)."""
+def _run_tile(case: OpCase, rank: int, tile, poison: bool = False) -> torch.Tensor:
+    """The Triton op with an explicit GEMM2 tile configuration (the op's plan).
+
+    poison: every buffer the finalize reads starts as NaN (this rank's receive buffer,
+    refilled once every rank's previous call is done, and the call's local buffer), so a
+    row that was not stored, or read before its store landed, shows in the output instead
+    of an earlier call's identical row."""
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
     from megatron_overlap.resource import plan_gemm2_gatherrs
@@ -71,6 +76,22 @@ def _run_tile(case: OpCase, rank: int, tile) -> torch.Tensor:
     with torch.no_grad():
         call = _Call(meta, ws, plan, hidden=w2.shape[1], dtype=h.dtype, device=h.device,
                      timeout_s=20.0, tile=tile)
+        if poison:
+            # (after _Call: it may have grown the receive buffer)
+            torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier(group=group)  # no peer is still storing the previous call's rows
+            ws.recv.fill_(float("nan"))
+            torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier(group=group)  # every buffer is poisoned before any store
+            alloc = call._alloc_local
+
+            def poisoned_local():
+                alloc()
+                call.local.fill_(float("nan"))
+
+            call._alloc_local = poisoned_local
         return call.run(h, w2)
 
 
@@ -146,10 +167,17 @@ def _op_worker(rank: int, world: int) -> dict:
     variants = {"TMA-store epilogue": DEFAULT_TMA_TILE,
                 "TMA-store epilogue, rotated waves": dataclasses.replace(DEFAULT_TMA_TILE,
                                                                          rotate=True)}
-    for case in _op_cases(world):
-        plain = _run_tile(case, rank, DEFAULT_TILE)
+    # (and two hidden sizes more: 640 is not a multiple of the 256-column tile, so the copy
+    # engine clips the last column block; 1004 x 2 bytes is not a multiple of 16, so the
+    # TMA-store tile falls back to the register stores)
+    uneven = [700 + 333 * g for g in range(world)]
+    extra = [OpCase(tp, ep, num_experts=4 * ep, topk=2, tokens_per_rank=uneven, hidden=hidden,
+                    ffn=256, dtype=torch.bfloat16)
+             for tp, ep in _layouts(world) for hidden in (640, 1004)]
+    for case in _op_cases(world) + extra:
+        plain = _run_tile(case, rank, DEFAULT_TILE, poison=True)
         for name, tile in variants.items():
-            out = _run_tile(case, rank, tile)
+            out = _run_tile(case, rank, tile, poison=True)
             report[f"{case} {name} bitwise equal"] = (
                 None if torch.equal(plain, out) else
                 "differs: " + str(describe_mismatch(out.cpu(), plain.cpu(), rel_tol=0.0)))
