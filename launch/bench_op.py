@@ -384,8 +384,11 @@ def parse_tile(name: str):
                          "128x128x64w8s3dyn, 128x256x64w8s3tma or 128x256x64w8s3tmarot "
                          "('tma' and 'rot' only with the static schedule)")
     bm, bn, bk, w, st = (int(x) for x in m.groups()[:5])
-    tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) is None,
-                      tma_store=m.group(8) is not None, rotate=m.group(9) is not None)
+    try:
+        tile = TileConfig(bm, bn, bk, num_warps=w, num_stages=st, static=m.group(6) is None,
+                          tma_store=m.group(8) is not None, rotate=m.group(9) is not None)
+    except ValueError as err:
+        raise ValueError(f"tile variant {name!r}: {err}") from None
     return tile, 2 if m.group(7) else 1
 
 
@@ -418,7 +421,10 @@ def main() -> int:
                              "host's launches count where the GPU waits for them")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="extra tile configurations to time (prepared), e.g. "
-                             "128x256x64w8s3 128x128x64w8s3dyn (rows ours[...] / nocomm[...])")
+                             "128x256x64w8s3 128x128x64w8s3dyn 128x256x64w8s3tma "
+                             "128x256x64w8s3tmarot (BMxBNxBK, wWARPS, sSTAGES; dyn: atomic "
+                             "claims; g2: 2 CTAs per SM; tma: TMA-store epilogue; rot: "
+                             "rotated waves) (rows ours[...] / nocomm[...])")
     parser.add_argument("--comm-ctas", nargs="*", type=positive_int, default=[],
                         help="also time the op (prepared) with these forced communication-CTA "
                              "counts (rows ours[k=...])")

@@ -1,10 +1,12 @@
 """Compile the GEMM2 + scatter kernel for Hopper (sm_90) on a machine without a GPU.
 
-    python3 launch/compile_sm90.py --ffn 768 --hidden 2048 --tma-store --out /tmp/sm90
+    python3 launch/compile_sm90.py --topk 8 --experts-pow2 128 --tma-store --out /tmp/sm90
     python3 launch/compile_sm90.py --compare /path/to/other/checkout   # SASS identical?
 
-Triton compiles `_gemm_scatter_kernel` with the specialisations a GPU launch of that shape
-gives it (bf16, 16-byte-aligned pointers, F / H / strides divisible by 16), through its own
+Triton compiles `_gemm_scatter_kernel` with the specialisations a GPU launch gives it (bf16,
+16-byte-aligned pointers, F, H and the strides divisible by 16: their values are not
+specialised on, so one compiled kernel serves every such shape; the finalize index's
+top-k, expert count rounded up to a power of two and TP size are), through its own
 bundled ptxas, and prints the kernel's shared memory, the count of a few instructions of
 interest in its PTX (TMA copies, bulk waits, proxy fences, barriers, wgmma) and where the
 TTGIR waits for the epilogue's TMA store (right after it: synchronous; before the next
@@ -48,7 +50,7 @@ SHARED_LIMIT_BYTES = 232448
 """Shared memory one CTA may use on sm_90 (227 KiB)."""
 
 
-def compile_kernel(repo: str, *, ffn: int, hidden: int, topk: int, experts_pow2: int,
+def compile_kernel(repo: str, *, topk: int, experts_pow2: int,
                    tp: int, tma_store: bool, rotate: bool, static: bool, tma_loads: bool,
                    num_warps: int = 8, num_stages: int = 3, bm: int = 128, bn: int = 256,
                    bk: int = 64) -> dict:
@@ -60,7 +62,17 @@ def compile_kernel(repo: str, *, ffn: int, hidden: int, topk: int, experts_pow2:
 
     from megatron_overlap.kernels import gemm2_gatherrs as k
 
+    here = os.path.realpath(os.path.dirname(k.__file__))
+    if not here.startswith(os.path.realpath(repo) + os.sep):
+        raise ValueError(f"{repo}: imported megatron_overlap from {here} instead (is it a "
+                         "checkout of this repository?)")
     fn = k._gemm_scatter_kernel
+    missing = [n for n in fn.arg_names if n not in KERNEL_ARGS and n not in (
+        "BM", "BN", "BK", "USE_TMA", "STATIC", "USE_TIMER", "TP", "K", "EP2", "IBT", "CB",
+        "TMA_STORE", "ROTATE")]
+    if missing:
+        raise ValueError(f"{repo}: its kernel has arguments this script does not know "
+                         f"({', '.join(missing)}): another kernel signature, not comparable")
     consts = dict(BM=bm, BN=bn, BK=bk, USE_TMA=tma_loads, STATIC=static, USE_TIMER=True,
                   TP=tp, K=topk, EP2=experts_pow2, IBT=64, CB=32)
     for name, value in (("TMA_STORE", tma_store), ("ROTATE", rotate)):
@@ -68,9 +80,13 @@ def compile_kernel(repo: str, *, ffn: int, hidden: int, topk: int, experts_pow2:
             consts[name] = value
         elif value:
             raise ValueError(f"{repo}: its kernel has no {name} parameter")
+    if any(n not in fn.arg_names for n in KERNEL_ARGS):
+        raise ValueError(f"{repo}: its kernel lacks arguments of this script's "
+                         f"({', '.join(n for n in KERNEL_ARGS if n not in fn.arg_names)}): "
+                         "another kernel signature, not comparable")
     signature = {n: "constexpr" if n in consts else KERNEL_ARGS[n] for n in fn.arg_names}
     aligned = [n for n, t in KERNEL_ARGS.items() if t.startswith("*")]
-    aligned += ["F", "H", "stride_h", "stride_wl", "stride_wn"]
+    aligned += ["F", "H", "stride_h", "stride_wl", "stride_wn"]  # (values: not specialised)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -144,11 +160,11 @@ def _positive(text: str) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ffn", type=_positive, default=768, help="F (default 768)")
-    parser.add_argument("--hidden", type=_positive, default=2048, help="H (default 2048)")
-    parser.add_argument("--topk", type=_positive, default=8)
+    parser.add_argument("--topk", type=_positive, default=8,
+                        help="top-k of the finalize index the kernel builds (default 8)")
     parser.add_argument("--experts-pow2", type=_positive, default=128,
-                        help="EP2: experts rounded up to a power of two (default 128)")
+                        help="EP2: the expert count rounded up to a power of two, 16..128 "
+                             "(default 128; above 128 the kernel builds no index)")
     parser.add_argument("--tp", type=_positive, default=1)
     parser.add_argument("--tma-store", action="store_true", help="TileConfig.tma_store")
     parser.add_argument("--rotate", action="store_true", help="TileConfig.rotate")
@@ -161,20 +177,49 @@ def main(argv=None) -> int:
                         help="another checkout: compile its kernel alike and compare SASS")
     args = parser.parse_args(argv)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if args.compare and not os.path.isdir(os.path.join(args.compare, "megatron_overlap")):
-        parser.error(f"--compare {args.compare!r}: not a checkout of this repository")
+    e2 = args.experts_pow2
+    if e2 < 16 or e2 > 128 or e2 & (e2 - 1):
+        parser.error(f"--experts-pow2 {e2}: expected a power of two in [16, 128] (the "
+                     "launcher's max(16, next power of two of the experts); above 128 the "
+                     "GEMM2 kernel builds no finalize index)")
+    if args.topk > e2:
+        parser.error(f"--topk {args.topk}: expected at most --experts-pow2 ({e2})")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} is a file: give a folder")
+    if args.compare and not os.path.isfile(os.path.join(args.compare, "megatron_overlap",
+                                                        "kernels", "gemm2_gatherrs.py")):
+        parser.error(f"--compare {args.compare!r}: not a checkout of this repository (no "
+                     "megatron_overlap/kernels/gemm2_gatherrs.py)")
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError as err:
         print(f"compile_sm90.py: Triton's CUDA backend is not importable ({err})",
               file=sys.stderr)
         return 2
-    options = dict(ffn=args.ffn, hidden=args.hidden, topk=args.topk,
+    options = dict(topk=args.topk,
                    experts_pow2=args.experts_pow2, tp=args.tp, tma_store=args.tma_store,
                    rotate=args.rotate, static=not args.dynamic,
                    tma_loads=not args.pointer_loads, num_stages=args.num_stages)
     if (args.rotate or args.tma_store) and args.dynamic:
         parser.error("--rotate and --tma-store need the static schedule (no --dynamic)")
+    other_sass = None
+    if args.compare:
+        # The other checkout first (it is the likelier to fail), in a child process: its
+        # package must not mix with this one's.
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+                "sys.path.insert(0, sys.argv[2]); import compile_sm90 as c\n"
+                "try:\n    r = c.compile_kernel(sys.argv[1], **json.loads(sys.argv[3]))\n"
+                "except ValueError as err:\n    sys.stderr.write(str(err)); sys.exit(3)\n"
+                "sys.stdout.write(c.sass(r['cubin']))")
+        other = subprocess.run(
+            [sys.executable, "-c", code, os.path.abspath(args.compare),
+             os.path.dirname(os.path.abspath(__file__)), json.dumps(options)],
+            capture_output=True, text=True)
+        if other.returncode != 0:
+            why = other.stderr if other.returncode == 3 else other.stderr[-3000:]
+            print(f"compile_sm90.py: --compare {args.compare}: {why.strip()}", file=sys.stderr)
+            return 2
+        other_sass = other.stdout
     sys.path.insert(0, repo)
     try:
         result = compile_kernel(repo, **options)
@@ -194,21 +239,8 @@ def main(argv=None) -> int:
                 f.write(result[ext])
         with open(os.path.join(args.out, "gemm_scatter.cubin"), "wb") as f:
             f.write(result["cubin"])
-    if args.compare:
-        # The other checkout in a child process: its package must not mix with this one.
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
-                "sys.path.insert(0, sys.argv[2]); import compile_sm90 as c; "
-                "r = c.compile_kernel(sys.argv[1], **json.loads(sys.argv[3])); "
-                "sys.stdout.write(c.sass(r['cubin']))")
-        other = subprocess.run(
-            [sys.executable, "-c", code, os.path.abspath(args.compare),
-             os.path.dirname(os.path.abspath(__file__)), json.dumps(options)],
-            capture_output=True, text=True)
-        if other.returncode != 0:
-            print(f"compile_sm90.py: compiling {args.compare}'s kernel failed:\n"
-                  f"{other.stderr[-3000:]}", file=sys.stderr)
-            return 2
-        summary["sass_identical_to_compare"] = other.stdout == sass(result["cubin"])
+    if other_sass is not None:
+        summary["sass_identical_to_compare"] = other_sass == sass(result["cubin"])
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -23,31 +23,39 @@
 #          (rows ours[<tile>] and nocomm[<tile>]); rows $OUT/bench_op_epilogue.jsonl
 #   layer  launch/bench_layer.py, Qwen3-30B-A3B and DeepSeek-V2-Lite at 32768 tokens, EP2
 #          and TP2 (EP1 on one GPU), MEGATRON_OVERLAP_TMA_STORE=0 and 1 alternately (two
-#          rounds each, ~60-150 s a process), then a table of flag on's p50 per setting
-#          against off-grouped; rows $OUT/layer_tma{0,1}.jsonl
+#          rounds each, ~60-150 s a process, each cut at its share of 560 s), then a table
+#          of flag on's p50 per setting against off-grouped; rows $OUT/layer_tma{0,1}.jsonl
+# OUT (default results/epilogue_ab) is relative to the caller's directory.
 # MO_MODELS, MO_TOKENS (op), MO_SEQS (layer) override the lists.
 set -o pipefail
 
+usage="usage: bash scripts/gpu_epilogue_ab.sh tests|protocol|op|layer"
+case "${1:-}" in
+  tests|protocol|op|layer) ;;
+  *) echo "$usage" >&2; exit 2 ;;
+esac
 if [[ "${NCCL_NVLS_ENABLE:-}" != 0 || "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" != 1 \
       || "${NVSHMEM_DISABLE_NVLS:-}" != 1 ]]; then
   echo "gpu_epilogue_ab.sh: NVLink multicast is not switched off; run" \
-       "'source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh PHASE'" >&2
+       "'source scripts/device_setup.sh && bash scripts/gpu_epilogue_ab.sh $1'" >&2
   exit 2
 fi
-cd "$(dirname "$0")/.." || exit 2
 out=${OUT:-results/epilogue_ab}
-mkdir -p "$out" || exit 2
+[[ "$out" = /* ]] || out="$PWD/$out"  # (relative to where it was called from)
+cd "$(dirname "$0")/.." || exit 2
 nproc=$(python3 -c "import torch; print(torch.cuda.device_count())") || exit 2
 if [[ "$nproc" -lt 1 ]]; then
   echo "gpu_epilogue_ab.sh: no GPU" >&2
   exit 2
 fi
 nproc=$(( nproc >= 2 ? 2 : 1 ))
+mkdir -p "$out" || exit 2
 export TQDM_DISABLE=1
 
 case "${1:-}" in
   tests)
     status=0
+    : > "$out/gpu_tests.log"
     worlds="2 1"
     [[ "$nproc" -eq 1 ]] && worlds="1"
     for world in $worlds; do
@@ -77,13 +85,18 @@ case "${1:-}" in
   layer)
     layouts="ep2 tp2"
     [[ "$nproc" -eq 1 ]] && layouts="ep1"
-    rm -f "$out/layer_tma0.jsonl" "$out/layer_tma1.jsonl"
+    rm -f "$out/layer_tma0.jsonl" "$out/layer_tma1.jsonl" "$out/layer.log"
     status=0
+    start=$(date +%s)
+    left=4  # processes still to run; each gets an equal share of what is left of 560 s
     for round in 1 2; do
       for tma in 0 1; do
-        echo "== round $round, MEGATRON_OVERLAP_TMA_STORE=$tma"
+        limit=$(( (560 - ($(date +%s) - start)) / left ))
+        (( limit < 10 )) && limit=10  # (timeout 0 would mean no limit)
+        left=$(( left - 1 ))
+        echo "== round $round, MEGATRON_OVERLAP_TMA_STORE=$tma (limit ${limit} s)"
         # shellcheck disable=SC2086
-        MEGATRON_OVERLAP_TMA_STORE=$tma timeout 150 torchrun --standalone \
+        MEGATRON_OVERLAP_TMA_STORE=$tma timeout "$limit" torchrun --standalone \
           --nproc_per_node "$nproc" launch/bench_layer.py \
           --model ${MO_MODELS:-qwen3-30b-a3b deepseek-v2-lite} \
           --seq-lengths ${MO_SEQS:-32768} --layouts $layouts --baselines off-grouped \
@@ -115,9 +128,5 @@ for c in cells:
           f"{mog / m1:.3f} |")
 EOF
     exit $status
-    ;;
-  *)
-    echo "usage: bash scripts/gpu_epilogue_ab.sh tests|protocol|op|layer" >&2
-    exit 2
     ;;
 esac

@@ -53,8 +53,9 @@ Common fields:
   chunk of [rows, F] of the split SwiGLU's linear half, and from 55b2e2f on every path;
   absent in rows from before 7055ab9), resource_solver (the resource manager's solver
   in that process, "cpp" | "python", `resource.solver.implementation_name`; absent
-  before v4.9's eed19ee), tma_store (the flag-on GEMM2 epilogue's stores through TMA
-  descriptors, `MEGATRON_OVERLAP_TMA_STORE`; absent before v5.2),
+  before v4.9's eed19ee), tma_store (the run's `MEGATRON_OVERLAP_TMA_STORE`, in every
+  row of the run: the GEMM2 epilogue's stores through TMA descriptors, which act only
+  where the flag-on variant runs the Triton backend; absent before v5.2),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer from v4.5, prefill from v5.1: p50 of the host time to run and enqueue a

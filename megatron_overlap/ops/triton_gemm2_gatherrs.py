@@ -78,8 +78,8 @@ class TileConfig:
     stages at 128 x 256 x 64 it exceeds an H200's 227 KiB (Triton then refuses to launch).
 
     Raises:
-        ValueError: a tile size that is not a power of two >= 16; tma_store or rotate
-            with static=False.
+        ValueError: a tile size that is not a power of two in [16, 256], num_warps not a
+            power of two in [1, 32], num_stages < 1; tma_store or rotate with static=False.
     """
 
     bm: int = 128
@@ -94,8 +94,14 @@ class TileConfig:
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"TileConfig.{name}={v} must be a power of two >= 16")
+            if v < 16 or v > 256 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name}={v} must be a power of two in [16, 256] "
+                                 "(256: a TMA box's largest dimension)")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"TileConfig.num_warps={self.num_warps} must be a power of two "
+                             "in [1, 32]")
+        if self.num_stages < 1:
+            raise ValueError(f"TileConfig.num_stages={self.num_stages} must be >= 1")
         if not self.static and (self.tma_store or self.rotate):
             # (Triton 3.6 does not compile the TMA-store epilogue in the dynamic schedule's
             # while loop: "sinking into unhandled control flow op: scf.while".)

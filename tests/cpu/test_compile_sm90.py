@@ -73,7 +73,10 @@ def test_signal_order_check_fails_without_the_wait():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--ffn", "0"), "--ffn: '0': expected an integer >= 1"),
+    (("--topk", "0"), "--topk: '0': expected an integer >= 1"),
+    (("--experts-pow2", "100"), "--experts-pow2 100: expected a power of two in [16, 128]"),
+    (("--topk", "1000"), "--topk 1000: expected at most --experts-pow2 (128)"),
+    (("--out", __file__), "is a file: give a folder"),
     (("--rotate", "--dynamic"), "--rotate and --tma-store need the static schedule"),
     (("--tma-store", "--dynamic"), "--rotate and --tma-store need the static schedule"),
     (("--compare", "/nonexistent"), "not a checkout of this repository"),

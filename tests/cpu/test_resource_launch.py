@@ -216,7 +216,7 @@ def test_bench_op_tile_variant_names():
     assert module.parse_tile("128x256x64w8s3tmarot") == (
         TileConfig(tma_store=True, rotate=True), 1)
     for bad in ("128x256x64w8s3rottma", "128x256x64w8s3dynrot", "128x256x64w8s3dyntma",
-                "128x256"):
+                "128x256", "128x256x64w0s0", "128x256x64w3s3", "8192x8192x64w8s3"):
         with pytest.raises(ValueError, match=f"tile variant {bad!r}"):
             module.parse_tile(bad)
 

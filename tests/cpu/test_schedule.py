@@ -231,3 +231,15 @@ def test_tile_config_refuses_tma_store_and_rotate_without_the_static_schedule():
             TileConfig(static=False, **fields)
         assert TileConfig(**fields).static  # (static by default)
     TileConfig(static=False)  # the dynamic schedule alone stays valid
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(bm=8), "bm=8 must be a power of two in"), (dict(bn=512), "bn=512 must be"),
+    (dict(bk=48), "bk=48 must be"), (dict(num_warps=3), "num_warps=3 must be"),
+    (dict(num_warps=0), "num_warps=0 must be"), (dict(num_stages=0), "num_stages=0 must be"),
+])
+def test_tile_config_refuses_sizes_no_launch_takes(fields, message):
+    from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
+
+    with pytest.raises(ValueError, match=message):
+        TileConfig(**fields)
