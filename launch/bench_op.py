@@ -255,7 +255,12 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
         results["ours"] = timed(lambda: gemm2_gatherrs(h, w2, meta, group=group, options=opts),
                                 args.warmup, args.iters)
-        from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, call_resources
+        from megatron_overlap.ops.triton_gemm2_gatherrs import (
+            _Call,
+            call_resources,
+            default_tile,
+            epilogue_stores_tma,
+        )
         from megatron_overlap.resource import plan_gemm2_gatherrs
         from megatron_overlap.symm import get_workspace
 
@@ -267,7 +272,9 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                                    elem_bytes=h.element_size(),
                                    recv_rows=int(maps[rank].sum()) * tp,
                                    kernel=call_resources(h.dtype, ffn, hidden, tp, meta.topk,
-                                                         meta.routing_map.shape[1]))
+                                                         meta.routing_map.shape[1]),
+                                   tma_store=epilogue_stores_tma(default_tile(device), hidden,
+                                                                 h.element_size()))
         ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
 
         def prepare(tile=None, call_plan=plan):

@@ -9,7 +9,10 @@ written, every rank measures alike at the same time, as in the fused op):
   tile time  the fused kernel's GEMM2 tiles alone (`_Call.gemm_only` on the plan's grid G,
              world-1 metadata, H = --hidden, 8 experts, top-2, --tokens tokens, uniform
              routing) for every F in --ffn: tau(F) = time / ceil(tiles / G); then a least-
-             squares fit tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0);
+             squares fit tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0); the register-
+             store epilogue (`DEFAULT_TILE`, whatever $MEGATRON_OVERLAP_TMA_STORE says),
+             and with --tma-store also the TMA-store one (`DEFAULT_TMA_TILE`): a second
+             tile_times entry with `tma_store: true`;
   peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
              --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
              largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
@@ -32,6 +35,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -115,18 +119,24 @@ def gpu_limits(base: GpuLimits, props=None) -> GpuLimits:
 def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: List[dict],
                   store_rows: List[dict], hbm_gbps: float, launch_us: float,
                   latency_us: float, source: str, link_from_base: bool) -> HardwareProfile:
-    """The profile from the measured rows (`tile_rows`: ksteps, tau_us, ctas_per_sm;
-    `store_rows`: ctas, gbps)."""
+    """The profile from the measured rows (`tile_rows`: ksteps, tau_us, ctas_per_sm and
+    tma_store (absent: False), one tile_times entry fitted per epilogue; `store_rows`:
+    ctas, gbps)."""
     bm, bn, bk = DEFAULT_TILE
-    alpha, beta = fit_tile_time([r["ksteps"] for r in tile_rows], [r["tau_us"] for r in tile_rows])
+    entries = []
+    for tma in sorted({bool(r.get("tma_store", False)) for r in tile_rows}):
+        rows = [r for r in tile_rows if bool(r.get("tma_store", False)) == tma]
+        alpha, beta = fit_tile_time([r["ksteps"] for r in rows], [r["tau_us"] for r in rows])
+        entries.append(TileTime(bm=bm, bn=bn, bk=bk, ctas_per_sm=rows[0]["ctas_per_sm"],
+                                alpha_us=round(alpha, 4), beta_us=round(beta, 5),
+                                tma_store=tma))
     if link_from_base:
         b_link, b_cta = base.link_bandwidth_gbps, base.cta_bandwidth_gbps
     else:
         b_link, b_cta = fit_link([r["ctas"] for r in store_rows], [r["gbps"] for r in store_rows])
     return HardwareProfile(
         name=name, gpu=gpu,
-        tile_times=(TileTime(bm=bm, bn=bn, bk=bk, ctas_per_sm=tile_rows[0]["ctas_per_sm"],
-                             alpha_us=round(alpha, 4), beta_us=round(beta, 5)),),
+        tile_times=tuple(entries),
         link_bandwidth_gbps=round(b_link, 2), cta_bandwidth_gbps=round(b_cta, 3),
         store_latency_us=round(max(0.0, latency_us), 3), hbm_bandwidth_gbps=round(hbm_gbps, 1),
         launch_overhead_us=round(max(0.0, launch_us), 3),
@@ -137,14 +147,20 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
                "prereduce_host_us_copied_from_base": base.name})
 
 
-def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int):
-    """--dry-run: the rows a GPU run would produce if the base profile were exact."""
-    t = base.tile_time(*DEFAULT_TILE)
+def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
+                           tma_store: bool = False):
+    """--dry-run: the rows a GPU run would produce if the base profile were exact (with
+    `tma_store`, also the TMA-store sweep, from the base's TMA-store entry, else from its
+    register-store one)."""
     tile_rows = []
-    for f in ffns:
-        ksteps = -(-f // DEFAULT_TILE[2])
-        tile_rows.append(dict(ffn=f, ksteps=ksteps, ctas_per_sm=t.ctas_per_sm,
-                              tau_us=t.alpha_us + t.beta_us * ksteps))
+    for tma in (False, True) if tma_store else (False,):
+        with warnings.catch_warnings():  # (a base without a TMA-store entry: said above)
+            warnings.simplefilter("ignore")
+            t = base.tile_time(*DEFAULT_TILE, tma_store=tma)
+        for f in ffns:
+            ksteps = -(-f // DEFAULT_TILE[2])
+            tile_rows.append(dict(ffn=f, ksteps=ksteps, ctas_per_sm=t.ctas_per_sm,
+                                  tau_us=t.alpha_us + t.beta_us * ksteps, tma_store=tma))
     store_rows = [dict(ctas=k or num_sms, gbps=min((k or num_sms) * base.cta_bandwidth_gbps,
                                                    base.link_bandwidth_gbps)) for k in ctas]
     return tile_rows, store_rows
@@ -152,12 +168,18 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int):
 
 # ---- GPU measurements ------------------------------------------------------------------
 
-def measure_tiles(args, device, timed) -> List[dict]:
+def measure_tiles(args, device, timed, tma_store: bool = False) -> List[dict]:
+    """The tile-time sweep of one epilogue: `DEFAULT_TILE`'s register stores, or with
+    `tma_store` `DEFAULT_TMA_TILE`'s TMA stores (set explicitly: not the environment's)."""
     import torch
 
     from megatron_overlap.bench.workloads import rank_rows, routing_maps
     from megatron_overlap.config import GatherRSOptions
-    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.ops.triton_gemm2_gatherrs import (
+        DEFAULT_TILE as REGISTER_TILE,
+        DEFAULT_TMA_TILE,
+        _Call,
+    )
     from megatron_overlap.resource import plan_gemm2_gatherrs
     from megatron_overlap.symm import get_workspace
 
@@ -173,9 +195,9 @@ def measure_tiles(args, device, timed) -> List[dict]:
         w2 = (torch.randn(8, args.hidden, f, generator=gen, device=device) / f**0.5).to(
             torch.bfloat16)
         plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"), num_sms=num_sms,
-                                   hidden=args.hidden, ffn=f)
+                                   hidden=args.hidden, ffn=f, tma_store=tma_store)
         call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype, device=device,
-                     timeout_s=30.0)
+                     timeout_s=30.0, tile=DEFAULT_TMA_TILE if tma_store else REGISTER_TILE)
         call.run(h, w2)  # world 1: every tile local; gemm_only needs a call that was run
         t = timed(lambda call=call, g=plan.num_ctas: call.gemm_only(g), args.warmup, args.iters,
                   args.queue_ms)
@@ -183,7 +205,7 @@ def measure_tiles(args, device, timed) -> List[dict]:
         waves = -(-tiles // plan.num_ctas)
         rows.append(dict(ffn=f, ksteps=-(-f // DEFAULT_TILE[2]), tiles=tiles,
                          grid=plan.num_ctas, waves=waves, ctas_per_sm=plan.breakdown.ctas_per_sm,
-                         ms=t["p50"], tau_us=t["p50"] * 1e3 / waves))
+                         ms=t["p50"], tau_us=t["p50"] * 1e3 / waves, tma_store=tma_store))
         del h, w2, call
         torch.cuda.empty_cache()
     return rows
@@ -262,6 +284,9 @@ def main(argv=None) -> int:
                         help="GPU sleep before each timed tile / store / copy run, so the "
                              "host's enqueue is not timed (the launch measurements never "
                              "sleep: they time the enqueue on purpose)")
+    parser.add_argument("--tma-store", action="store_true",
+                        help="also sweep the TMA-store epilogue's tile time (a second "
+                             "tile_times entry, tma_store: true)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
@@ -280,7 +305,8 @@ def main(argv=None) -> int:
 
     if args.dry_run:
         num_sms = base.gpu.num_sms
-        tile_rows, store_rows = synthetic_measurements(base, args.ffn, args.ctas, num_sms)
+        tile_rows, store_rows = synthetic_measurements(base, args.ffn, args.ctas, num_sms,
+                                                       args.tma_store)
         profile = build_profile(
             args.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
             base.launch_overhead_us, base.store_latency_us,
@@ -304,6 +330,8 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(device)
     gpu = gpu_limits(base.gpu, props)
     tile_rows = measure_tiles(args, device, bench_op.timed)
+    if args.tma_store:
+        tile_rows += measure_tiles(args, device, bench_op.timed, tma_store=True)
     hbm_gbps, launch_us = measure_local(args, device, bench_op.timed)
     world = dist.get_world_size()
     if world > 1:
@@ -331,15 +359,20 @@ def main(argv=None) -> int:
 
 
 def _print(p: HardwareProfile) -> None:
-    t = p.tile_times[0]
-    print(f"tile {t.bm}x{t.bn}x{t.bk}: tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) "
-          f"us at {t.ctas_per_sm} CTA/SM | B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
+    fits = {t.tma_store: t for t in p.tile_times}
+    for t in p.tile_times:
+        print(f"tile {t.bm}x{t.bn}x{t.bk}, {'TMA' if t.tma_store else 'register'} stores: "
+              f"tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) us at "
+              f"{t.ctas_per_sm} CTA/SM")
+    print(f"B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
           f"{p.cta_bandwidth_gbps:.2f} GB/s | HBM {p.hbm_bandwidth_gbps:.0f} GB/s | launch "
           f"{p.launch_overhead_us:.1f} us | store latency {p.store_latency_us:.2f} us | "
           f"pre-reduced host term {p.prereduce_host_us:.1f} us (from the base profile)")
     extra: Dict = p.extra
     for r in extra.get("tile_sweep", []):
-        print(f"  F={r['ffn']:>6} ksteps={r['ksteps']:>4} tau={r['tau_us']:.2f} us"
+        t = fits.get(bool(r.get("tma_store", False)), p.tile_times[0])
+        print(f"  F={r['ffn']:>6} ksteps={r['ksteps']:>4}"
+              f"{' TMA' if r.get('tma_store') else ''} tau={r['tau_us']:.2f} us"
               + (f" (fit {t.alpha_us + t.beta_us * r['ksteps']:.2f})" if not math.isnan(
                   r["tau_us"]) else ""))
     for r in extra.get("peer_store_sweep", []):

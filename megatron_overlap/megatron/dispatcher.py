@@ -306,7 +306,11 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         me = self.ep_rank * self.tp_size + self.tp_rank  # rows of my tokens, x TP partials:
         recv_rows = int(self._counts[me, : self.num_experts].sum())
-        from megatron_overlap.ops.triton_gemm2_gatherrs import call_resources
+        from megatron_overlap.ops.triton_gemm2_gatherrs import (
+            call_resources,
+            default_tile,
+            epilogue_stores_tma,
+        )
 
         with span("mo.plan"):
             self.plan = plan_gemm2_gatherrs(
@@ -315,7 +319,10 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                 recv_rows=recv_rows * self.tp_size,
                 kernel=call_resources(h_like.dtype, w2.shape[2], w2.shape[1], self.tp_size,
-                                      self.config.moe_router_topk, self.num_experts))
+                                      self.config.moe_router_topk, self.num_experts),
+                # the tile time of the epilogue the call will run (its tile: default_tile)
+                tma_store=h_like.is_cuda and epilogue_stores_tma(
+                    default_tile(h_like.device), w2.shape[1], h_like.element_size()))
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         maps = None

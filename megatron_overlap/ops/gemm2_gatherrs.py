@@ -161,6 +161,8 @@ def prepare_gemm2_gatherrs(
         _Call,
         call_resources,
         compiled_resources,
+        default_tile,
+        epilogue_stores_tma,
     )
     from megatron_overlap.symm import get_workspace
 
@@ -175,7 +177,10 @@ def prepare_gemm2_gatherrs(
                                        h_like.dtype, w2.shape[2], w2.shape[1])
                                    if meta.routing_map is None else call_resources(
                                        h_like.dtype, w2.shape[2], w2.shape[1], meta.tp_size,
-                                       meta.topk, meta.routing_map.shape[1]))
+                                       meta.topk, meta.routing_map.shape[1]),
+                                   tma_store=h_like.is_cuda and epilogue_stores_tma(
+                                       default_tile(h_like.device), w2.shape[1],
+                                       h_like.element_size()))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
     # plan.mode is the same on every rank (options, group-wide counts). An "auto" choice of

@@ -143,6 +143,14 @@ def _gpu_tile() -> TileConfig:
     return DEFAULT_TMA_TILE if tma_store_enabled() else DEFAULT_TILE
 
 
+def epilogue_stores_tma(tile: TileConfig, hidden: int, elem_bytes: int) -> bool:
+    """Whether the GEMM2 kernel's epilogue stores through TMA for a call with this tile:
+    `tile.tma_store`, and rows of `hidden` elements of `elem_bytes` bytes a multiple of 16
+    bytes (a TMA descriptor's row stride); else it stores from registers. The planner
+    takes the matching tile time (`plan_gemm2_gatherrs(..., tma_store=...)`)."""
+    return tile.tma_store and hidden * elem_bytes % 16 == 0
+
+
 def _cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints (`triton.cdiv` is a `ConstexprFunction`: ~6 us per host call)."""
     return -(-a // b)
@@ -900,7 +908,7 @@ class _Call:
             w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks, tokens, experts,
             BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
             USE_TIMER=self.gpu, TP=tp, K=kk, EP2=ep2, IBT=im["BT"], CB=im["CB"],
-            TMA_STORE=t.tma_store and self.hidden * h.element_size() % 16 == 0,
+            TMA_STORE=epilogue_stores_tma(t, self.hidden, h.element_size()),
             ROTATE=t.rotate,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )

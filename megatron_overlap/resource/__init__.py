@@ -216,6 +216,7 @@ def plan_gemm2_gatherrs(
     profile: Union[None, str, HardwareProfile] = None,
     tile: Tuple[int, int, int] = DEFAULT_TILE,
     solver: Optional[str] = None,
+    tma_store: bool = False,
 ) -> Plan:
     """Choose the SM partition of one fused GEMM2 + GatherRS launch; measures nothing.
 
@@ -238,6 +239,9 @@ def plan_gemm2_gatherrs(
             MEGATRON_OVERLAP_HW_PROFILE variable, else "h200").
         tile: (BM, BN, BK) of the kernel; the profile must have a tile time for it.
         solver: "cpp", "python" or None (C++ when built; see `resource.solver`).
+        tma_store: the kernel's epilogue stores through TMA (`TileConfig.tma_store`): the
+            profile's TMA-store tile time is used (`HardwareProfile.tile_time`; its
+            register-store one, warned once, where it has none).
 
     Returns:
         A `Plan`.
@@ -246,12 +250,14 @@ def plan_gemm2_gatherrs(
         ValueError: the override exceeds the SM count; a size out of range; the kernel
             cannot be resident; remote tiles with a grid of one CTA; the profile has no
             tile time for `tile` (each message names the value and what was expected).
-        TypeError: a size is not an int.
+        TypeError: a size is not an int; tma_store is not a bool.
     """
     if not isinstance(meta, GatherRSMetadata):
         raise TypeError(f"meta must be a GatherRSMetadata, got {type(meta).__name__}")
     if not isinstance(options, GatherRSOptions):
         raise TypeError(f"options must be a GatherRSOptions, got {type(options).__name__}")
+    if tma_store is not True and tma_store is not False:
+        raise TypeError(f"tma_store={tma_store!r}: expected a bool")
     override = options.num_comm_ctas
     if num_sms is not None:
         _positive_int("num_sms", num_sms)
@@ -302,7 +308,7 @@ def plan_gemm2_gatherrs(
             or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile)):
         raise ValueError(f"tile={tile!r}: expected (BM, BN, BK), three ints >= 1")
     bm, bn, bk = tile
-    tile_time = prof.tile_time(bm, bn, bk)
+    tile_time = prof.tile_time(bm, bn, bk, tma_store)
     local_chunk = meta.tp_rank * meta.ep_size + meta.ep_rank  # chunk order c = tp * EP + ep
     remote_tiles, local_tiles, remote_rows = impl.count_tiles(
         meta.rows_per_expert_per_chunk, local_chunk, bm, bn, hidden)

@@ -88,7 +88,12 @@ class GpuLimits:
 @dataclass(frozen=True)
 class TileTime:
     """tau(F) = alpha_us + beta_us * ceil(F / bk): time of one BM x BN output tile of depth F
-    while every CTA of the grid is busy, measured with `ctas_per_sm` CTAs resident per SM."""
+    while every CTA of the grid is busy, measured with `ctas_per_sm` CTAs resident per SM.
+
+    `tma_store`: measured with the GEMM2 kernel's TMA-store epilogue
+    (`ops.triton_gemm2_gatherrs.TileConfig.tma_store`; `launch/calibrate.py --tma-store`)
+    instead of the register-store one; a YAML entry without the key is a register-store
+    time. One profile may hold both for a shape (`HardwareProfile.tile_time`)."""
 
     bm: int
     bn: int
@@ -96,10 +101,13 @@ class TileTime:
     ctas_per_sm: int
     alpha_us: float
     beta_us: float
+    tma_store: bool = False
 
     def __post_init__(self) -> None:
         for key in ("bm", "bn", "bk", "ctas_per_sm"):
             _check_int(f"tile_times.{key}", getattr(self, key), 1)
+        if not isinstance(self.tma_store, bool):
+            raise ValueError(f"tile_times.tma_store={self.tma_store!r}: expected true or false")
         _check_float("tile_times.alpha_us", self.alpha_us, positive=False)
         _check_float("tile_times.beta_us", self.beta_us, positive=False)
         if self.alpha_us + self.beta_us <= 0:
@@ -109,6 +117,11 @@ class TileTime:
     @property
     def shape(self) -> Tuple[int, int, int]:
         return (self.bm, self.bn, self.bk)
+
+    @property
+    def key(self) -> Tuple[int, int, int, bool]:
+        """(bm, bn, bk, tma_store): what `HardwareProfile.tile_time` looks an entry up by."""
+        return (self.bm, self.bn, self.bk, self.tma_store)
 
 
 @dataclass(frozen=True)
@@ -151,23 +164,38 @@ class HardwareProfile:
             raise ValueError(f"provisional={self.provisional!r}: expected true or false")
         if not self.tile_times:
             raise ValueError("tile_times: expected at least one tile shape")
-        shapes = [t.shape for t in self.tile_times]
-        if len(set(shapes)) != len(shapes):
-            raise ValueError(f"tile_times: a tile shape appears twice in {shapes}")
+        keys = [t.key for t in self.tile_times]
+        if len(set(keys)) != len(keys):
+            raise ValueError("tile_times: a tile shape appears twice with the same tma_store "
+                             f"in {[(t.shape, t.tma_store) for t in self.tile_times]}")
         for key in _POSITIVE_FLOATS:
             _check_float(key, getattr(self, key), positive=True)
         for key in _NONNEGATIVE_FLOATS:
             _check_float(key, getattr(self, key), positive=False)
 
-    def tile_time(self, bm: int, bn: int, bk: int) -> TileTime:
-        """The tile time model of shape (bm, bn, bk).
+    def tile_time(self, bm: int, bn: int, bk: int, tma_store: bool = False) -> TileTime:
+        """The tile time model of shape (bm, bn, bk) with the register-store epilogue, or
+        with the TMA-store one (`tma_store`). A profile without a TMA-store entry for the
+        shape gives its register-store entry for it, warned once per profile and shape:
+        on one H200 the TMA-store tile was never slower (docs/perf_notes.md v5.3), so that
+        time is an upper bound.
 
         Raises:
             ValueError: the profile has no entry for that shape (the message lists them).
         """
-        for t in self.tile_times:
-            if t.shape == (bm, bn, bk):
+        for t in self.tile_times:  # (a short tuple: the common case returns at once)
+            if t.bm == bm and t.bn == bn and t.bk == bk and t.tma_store == tma_store:
                 return t
+        if tma_store:
+            fallback = self.tile_time(bm, bn, bk)
+            key = (self.name, self.source, (bm, bn, bk))
+            if key not in _WARNED_TMA_FALLBACK:
+                _WARNED_TMA_FALLBACK.add(key)
+                warnings.warn(f"hardware profile {self.name!r} has no TMA-store tile time for "
+                              f"{bm}x{bn}x{bk}; the plan uses the register-store one (an "
+                              "upper bound). `launch/calibrate.py --tma-store` measures it.",
+                              stacklevel=2)
+            return fallback
         raise ValueError(f"hardware profile {self.name!r} has no tile time for tile "
                          f"{bm}x{bn}x{bk}; it has {[t.shape for t in self.tile_times]} "
                          "(launch/calibrate.py measures the default tile "
@@ -177,11 +205,16 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         """Plain dict in the YAML layout (`save_profile`)."""
         d = asdict(self)
-        d["tile_times"] = [asdict(t) for t in self.tile_times]
+        # (tma_store only where true: a register-store entry reads as before)
+        d["tile_times"] = [{k: v for k, v in asdict(t).items() if k != "tma_store" or v}
+                           for t in self.tile_times]
         if not d["extra"]:
             del d["extra"]
         return d
 
+
+_WARNED_TMA_FALLBACK: set = set()
+"""(profile name, source, shape) already warned about by `HardwareProfile.tile_time`."""
 
 _KEYS = ("name", "gpu", "tile_times", "link_bandwidth_gbps", "cta_bandwidth_gbps",
          "store_latency_us", "hbm_bandwidth_gbps", "launch_overhead_us")
@@ -211,8 +244,9 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         tile_objs = []
         for t in tiles:
             want = {"bm", "bn", "bk", "ctas_per_sm", "alpha_us", "beta_us"}
-            if set(t) != want:
-                raise ValueError(f"tile_times entry {t}: expected exactly the keys {sorted(want)}")
+            if not want <= set(t) <= want | {"tma_store"}:
+                raise ValueError(f"tile_times entry {t}: expected exactly the keys "
+                                 f"{sorted(want)}, and optionally tma_store")
             tile_objs.append(TileTime(**t))
         rest = {k: data[k] for k in _KEYS[3:]}
         return HardwareProfile(name=data["name"], gpu=GpuLimits(**gpu),

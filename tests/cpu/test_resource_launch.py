@@ -74,6 +74,22 @@ def test_calibrate_dry_run_writes_a_loadable_profile(tmp_path):
     assert len(prof.extra["peer_store_sweep"]) == len(calibrate.DEFAULT_CTAS)
 
 
+def test_calibrate_dry_run_tma_store_writes_both_epilogues(tmp_path):
+    out = tmp_path / "h200.yaml"
+    assert calibrate.main(["--dry-run", "--tma-store", "--out", str(out)]) == 0
+    prof, base = load_profile(out), load_profile("h200")
+    from megatron_overlap.resource import DEFAULT_TILE
+
+    assert sorted(t.tma_store for t in prof.tile_times) == [False, True]
+    for tma in (False, True):  # each fitted from its own sweep (here: the base's model)
+        t, b = (p.tile_time(*DEFAULT_TILE, tma_store=tma) for p in (prof, base))
+        assert (t.alpha_us, t.beta_us) == pytest.approx((b.alpha_us, b.beta_us), abs=1e-3)
+    sweep = prof.extra["tile_sweep"]
+    assert sum(r["tma_store"] for r in sweep) == len(sweep) // 2 == len(calibrate.DEFAULT_FFN)
+    assert "tma_store" not in prof.to_dict()[
+        "tile_times"][0]  # a register-store entry is written as before
+
+
 def test_oracle_dry_run_rows(tmp_path):
     out = tmp_path / "oracle.jsonl"
     args = ["--dry-run", "--out", str(out), "--models", "mixtral-8x7b", "qwen3-30b-a3b",

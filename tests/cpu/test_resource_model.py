@@ -317,6 +317,59 @@ def test_bad_profiles_name_the_key():
         load_profile("no-such-gpu")
 
 
+def test_tma_store_tile_times_are_looked_up_by_epilogue():
+    good = H200.to_dict()
+    reg = next(t for t in good["tile_times"] if "tma_store" not in t)  # written without the key
+    tma = next(t for t in good["tile_times"] if t.get("tma_store") is True)  # shipped (v5.3)
+    prof = profile_from_dict(dict(good, tile_times=[reg, tma]))
+    assert prof.tile_time(*DEFAULT_TILE).tma_store is False
+    got = prof.tile_time(*DEFAULT_TILE, tma_store=True)
+    assert got.tma_store and (got.alpha_us, got.beta_us) == (tma["alpha_us"], tma["beta_us"])
+    with pytest.raises(ValueError, match="appears twice with the same tma_store"):
+        profile_from_dict(dict(good, tile_times=[reg, dict(reg)]))
+    with pytest.raises(ValueError, match="tile_times.tma_store='yes'"):
+        profile_from_dict(dict(good, tile_times=[reg, dict(tma, tma_store="yes")]))
+    with pytest.raises(ValueError, match="optionally tma_store"):
+        profile_from_dict(dict(good, tile_times=[dict(reg, epilogue="tma")]))
+    # a profile without a TMA-store entry: its register-store time, warned once
+    only_reg = profile_from_dict(dict(good, name="only-reg", tile_times=[reg]))
+    with pytest.warns(UserWarning, match="no TMA-store tile time for 128x256x64"):
+        assert only_reg.tile_time(*DEFAULT_TILE, tma_store=True) == only_reg.tile_time(
+            *DEFAULT_TILE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        only_reg.tile_time(*DEFAULT_TILE, tma_store=True)
+    with pytest.raises(ValueError, match="no tile time for tile 64x64x32"):
+        only_reg.tile_time(64, 64, 32, tma_store=True)  # no shape at all: still an error
+
+
+def test_plan_takes_the_tile_time_of_its_epilogue():
+    meta = meta_of([[1000, 1100], [900, 1200]])
+    ffn = SIZES["ffn"]
+    for tma in (False, True):
+        t = H200.tile_time(*DEFAULT_TILE, tma_store=tma)
+        plan = plan_gemm2_gatherrs(meta, GatherRSOptions(), tma_store=tma, **SIZES)
+        assert plan.breakdown.tile_us == pytest.approx(
+            t.alpha_us + t.beta_us * cdiv(ffn, DEFAULT_TILE[2]), abs=1e-5)
+    assert (H200.tile_time(*DEFAULT_TILE, tma_store=True)
+            != H200.tile_time(*DEFAULT_TILE))  # so the loop above tells them apart
+    for bad in (1, None, "yes"):
+        with pytest.raises(TypeError, match="tma_store=.*expected a bool"):
+            plan_gemm2_gatherrs(meta, GatherRSOptions(), tma_store=bad, **SIZES)
+
+
+def test_epilogue_stores_tma_follows_the_tile_and_row_size():
+    from megatron_overlap.ops.triton_gemm2_gatherrs import (
+        DEFAULT_TILE as REGISTER_TILE,
+        DEFAULT_TMA_TILE,
+        epilogue_stores_tma,
+    )
+
+    assert epilogue_stores_tma(DEFAULT_TMA_TILE, 2048, 2)
+    assert not epilogue_stores_tma(DEFAULT_TMA_TILE, 1004, 2)  # 2008-byte rows: registers
+    assert not epilogue_stores_tma(REGISTER_TILE, 2048, 2)
+
+
 def test_prereduce_host_term_is_optional_and_checked():
     good = H200.to_dict()
     assert good["prereduce_host_us"] == H200.prereduce_host_us > 0  # shipped, round-trips
