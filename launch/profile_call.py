@@ -144,17 +144,10 @@ def main() -> int:
     noop_args = [small] * 8 + [7, 100, 3000, 5, 1 << 20, 9, 11, 12, 13, 14, 15, 16, 17, 18,
                                19, 20]
     fast_noop = FastLauncher(_noop)
-    runner_noop = FastLauncher(_noop)  # the compiled kernel through Triton's runner
     compiled_noop = _noop[(1,)](*noop_args, A=1, B=2)
-    fast_noop((1,), *noop_args, A=1, B=2)
-    runner_noop((1,), *noop_args, A=1, B=2)
-    runner_noop._direct = dict.fromkeys(runner_noop._direct)
-    direct = any(go is not None for go in fast_noop._direct.values())
     prims.update({
         "noop 24 args: kernel[grid](...) (JIT)": lambda: _noop[(1,)](*noop_args, A=1, B=2),
-        f"noop 24 args: FastLauncher ({'direct' if direct else 'runner'})":
-            lambda: fast_noop((1,), *noop_args, A=1, B=2),
-        "noop 24 args: FastLauncher, runner": lambda: runner_noop((1,), *noop_args, A=1, B=2),
+        "noop 24 args: FastLauncher": lambda: fast_noop((1,), *noop_args, A=1, B=2),
         "noop 24 args: compiled[grid](...)": lambda: compiled_noop[(1, 1, 1)](*noop_args, 1, 2),
     })
     prim_us = {}

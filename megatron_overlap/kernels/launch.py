@@ -20,17 +20,6 @@ its check that the kernel's global variables did not change (the kernels here us
 
 `MEGATRON_OVERLAP_FAST_LAUNCH=0` turns it off (every launch through `JITFunction.run`).
 
-With Triton 3.6 (the GPU machines' version; `DIRECT_LAUNCH_TRITON`), a cached kernel is
-launched one level lower still: straight through the C launcher that Triton generated for
-it (`CompiledKernel.run.launch`), with what Triton's runner would pass it computed once per
-key (the function handle, the packed metadata, the cooperative-grid and PDL flags) and, per
-launch, only what Triton computes per launch (the current stream, the global scratch from
-Triton's allocator). That skips the runner closure, the launch-metadata call and the
-launcher object's `__call__` (`_direct_launch`). Where a launch hook is set
-(`triton.knobs.runtime.launch_enter_hook` / `launch_exit_hook`, e.g. a profiler), where the
-kernel asks for profile scratch, and with any other Triton, the cached kernel's own
-`CompiledKernel[grid]` runs instead.
-
 Measured on the GPU machine with Triton 3.6 (docs/perf_notes.md v4.7; a do-nothing kernel
 with 8 tensor and 16 int arguments, warm): the JIT path 20-23 us, this one 20-23 us, the
 compiled kernel called directly 11-12 us. So with that Triton it saves nothing: Triton's
@@ -66,52 +55,6 @@ def fast_launch_enabled() -> bool:
 
 _PLAIN = (torch.Tensor, int, float, bool, type(None))
 
-DIRECT_LAUNCH_TRITON = ("3.6.",)
-"""Triton versions (prefixes) whose launcher internals `_direct_launch` was written
-against and GPU-tested with (docs/perf_notes.md v5.3); others launch through
-`CompiledKernel[grid]`."""
-
-
-def _direct_launch(compiled, device: int):
-    """A `go(grid, args)` that launches `compiled` through its generated C launcher as
-    Triton 3.6's `CompiledKernel.__getitem__` runner and `CudaLauncher.__call__` do, or None
-    where this Triton or this kernel is not one it handles (see the module docstring)."""
-    import triton
-
-    if not triton.__version__.startswith(DIRECT_LAUNCH_TRITON):
-        return None
-    try:
-        from triton import knobs
-        from triton.runtime import _allocation
-        from triton.runtime.driver import driver
-
-        run = compiled.run  # (initialises the module and function handles)
-        launch, function, packed = run.launch, compiled.function, compiled.packed_metadata
-        num_ctas, size, align = run.num_ctas, run.global_scratch_size, run.global_scratch_align
-        coop, pdl, profile_size = (run.launch_cooperative_grid, run.launch_pdl,
-                                   run.profile_scratch_size)
-        allocator = _allocation._allocator
-        get_stream = driver.active.get_current_stream
-        hooks = knobs.runtime
-    except (AttributeError, ImportError, RuntimeError):  # (RuntimeError: no active driver)
-        return None
-    if profile_size:
-        return None
-
-    def go(grid, args):
-        if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
-            return False  # a hook wants the launch metadata: Triton's own runner
-        stream = get_stream(device)
-        scratch = None
-        if size > 0:
-            scratch = allocator.get()(grid[0] * grid[1] * grid[2] * num_ctas * size, align,
-                                      stream)
-        launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, scratch, None, packed,
-               None, None, None, *args)
-        return True
-
-    return go
-
 
 def _as_kernel_arg(arg: Any) -> Any:
     """numpy and other integral scalars as Python ints (Triton's JIT rejects numpy ints).
@@ -146,7 +89,6 @@ class FastLauncher:
     def __init__(self, fn) -> None:
         self.fn = fn
         self._cache: Dict[Tuple, Any] = {}
-        self._direct: Dict[Tuple, Any] = {}  # key -> `_direct_launch` of its kernel, or None
         self._constexpr_names = None  # the interpreter's functions: always the normal path
         if hasattr(fn, "constexprs"):
             constexprs = sorted(fn.constexprs)
@@ -200,13 +142,9 @@ class FastLauncher:
         if compiled is None:
             compiled = self.fn[grid](*conv, **meta)
             self._cache[key] = compiled
-            self._direct[key] = _direct_launch(compiled, key[0])
         else:
             # The compiled kernel's runner reads grid[0], grid[1], grid[2].
             if len(grid) != 3:
                 grid = tuple(grid) + (1,) * (3 - len(grid))
-            conv.extend(meta[name] for name in self._constexpr_names)
-            go = self._direct.get(key)
-            if go is None or not go(grid, conv):
-                compiled[grid](*conv)
+            compiled[grid](*conv, *[meta[name] for name in self._constexpr_names])
         return compiled
