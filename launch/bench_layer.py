@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "and 'off-grouped' under Python's cProfile and print rank 0's "
                              "functions by own host time: which Python code a host-bound "
                              "forward spends its time in")
+    parser.add_argument("--alt-env", default="", metavar="VAR=VALUE",
+                        help="also time the flag-on layer with $VAR set to VALUE (a "
+                             "MEGATRON_OVERLAP_* variable the fused path reads per call, e.g. "
+                             "MEGATRON_OVERLAP_TMA_STORE=1), as variant 'on-alt': the same "
+                             "layer object, its forwards interleaved with 'on''s in one "
+                             "process, so that the process's host speed is common to both "
+                             "(rows 'on-alt' with alt_env; the report ignores them)")
     parser.add_argument("--trace-dir", default="",
                         help="with --profile: rank 0 also writes each profiled forward as a "
                              "chrome trace <model>_<layout>_<seq>_<variant>.json here (host "
@@ -234,6 +241,49 @@ class RunConfig:
     cprofile: bool = False
     fc1_impl: str = "auto"
     bias_activation_fusion: bool = False
+    alt_env: tuple[str, str] | None = None
+    """(variable, value) of the 'on-alt' variant (`--alt-env`), or None."""
+
+
+def parse_alt_env(text: str) -> tuple[str, str] | None:
+    """`--alt-env VAR=VALUE` -> (VAR, VALUE); "" -> None.
+
+    Raises:
+        ValueError: not VAR=VALUE, VAR not a MEGATRON_OVERLAP_* variable, or a value the
+            fused path refuses (`megatron_overlap.config.check_environment` with it set).
+    """
+    if not text:
+        return None
+    var, sep, value = text.partition("=")
+    if not sep or not var.startswith("MEGATRON_OVERLAP_"):
+        raise ValueError(f"--alt-env {text!r}: expected MEGATRON_OVERLAP_<NAME>=<value>")
+    from megatron_overlap.config import check_environment
+
+    with alt_environment((var, value)):
+        try:
+            check_environment()
+        except (ValueError, ImportError) as err:
+            raise ValueError(f"--alt-env {text!r}: {err}") from None
+    return var, value
+
+
+@contextlib.contextmanager
+def alt_environment(alt: tuple[str, str] | None):
+    """Inside: os.environ[var] = value (alt = (var, value); None: nothing); restored on
+    exit, unset again where it was unset."""
+    if alt is None:
+        yield
+        return
+    var, value = alt
+    before = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -254,6 +304,10 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     if device == "cpu" and torch.cuda.is_available():
         raise ValueError("--device cpu: CUDA is visible; the CPU patches of Megatron refuse to "
                          "run then (hide the GPUs with CUDA_VISIBLE_DEVICES=)")
+    alt_env = parse_alt_env(args.alt_env)
+    if alt_env is not None and (args.profile or args.host_breakdown or args.cprofile):
+        raise ValueError("--alt-env times 'on-alt' only: run --profile, --host-breakdown or "
+                         "--cprofile without it")
     if args.trace_dir and not args.profile:
         raise ValueError("--trace-dir writes the traces of --profile: add --profile")
     if args.trace_dir:
@@ -288,6 +342,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         cprofile=args.cprofile,
         fc1_impl=args.fc1_impl,
         bias_activation_fusion=args.bias_activation_fusion,
+        alt_env=alt_env,
     )
 
 
@@ -480,37 +535,57 @@ def fused_calls(layer: torch.nn.Module) -> int:
 
 
 def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.device) -> dict:
-    """Warm up, time `--iters` rounds of every variant, check agreement with "off".
+    """Warm up, time `--iters` rounds of every variant, check agreement with "off". With
+    `run.alt_env`, also the variant "on-alt": `layers["on"]` with the variable set around
+    each of its forwards (`alt_environment`), in the same rounds.
 
     Returns:
         {"ms": {variant: [slowest rank's ms per round]}, "errors": {variant: `max_error`
-        against "off"}, "fused_calls": launches of the fused op in the timed rounds, and per
+        against "off"}, "fused_calls": launches of the fused op in a variant's timed rounds,
+        "flag_on_state": {flag-on variant: (last_fc1, last_fc2_weight, plan) after its last
+        forward} (`describe`), and per
         variant, max over ranks: "fwd_extra_bytes", "peak_abs_bytes", "persistent_bytes",
         "param_bytes", "symm_workspace_bytes" (None on CPU but param_bytes)}.
 
     Raises:
         RuntimeError: the flag-on layer did not launch the fused op once per forward.
     """
+    # 'on-alt' (--alt-env): the flag-on layer itself, each forward under the variable
+    if run.alt_env is not None:
+        layers = {**layers, "on-alt": layers["on"]}
     names = list(layers)
+    envs = {name: run.alt_env if name == "on-alt" else None for name in names}
     timers = {name: Timer(device, flush_l2=True) for name in names}
     persistent = dict.fromkeys(names)
+
+    def forward(name):
+        with alt_environment(envs[name]):
+            return layers[name](x)
+
     with torch.inference_mode():
         for i in range(run.warmup):
             for name in names:
                 before = allocated_bytes(device)
-                layers[name](x)
+                forward(name)
                 if i == 0:
                     persistent[name] = max(0, allocated_bytes(device) - before)
         calls_before = fused_calls(layers["on"])
         for r in range(run.iters):
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
-                timers[name].measure(lambda layer=layers[name]: layer(x))
+                timers[name].measure(lambda name=name: forward(name))
         calls = fused_calls(layers["on"]) - calls_before
-        if calls != run.iters:
+        expected = run.iters * (2 if run.alt_env is not None else 1)
+        if calls != expected:
             raise RuntimeError(f"the flag-on layer launched the fused op {calls} times in "
-                               f"{run.iters} timed forwards")
-        outputs = {name: layers[name](x)[0] for name in names}
+                               f"{expected} timed forwards")
+        outputs, flag_on_state = {}, {}
+        for name in names:
+            outputs[name] = forward(name)[0]
+            if name in ("on", "on-alt"):  # what its own forward ran (`describe`)
+                layer = layers[name]
+                flag_on_state[name] = (layer.experts.last_fc1, layer.experts.last_fc2_weight,
+                                       layer.token_dispatcher.plan)
         errors = {name: max_error(outputs[name], outputs["off"]) for name in names
                   if name != "off"}
     del outputs
@@ -528,16 +603,17 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
         "ms": {name: reduce_max(timers[name].times_ms(), device) for name in names},
         "host_ms": {name: reduce_max(timers[name].host_ms, device) for name in names},
         "errors": errors,
-        "fused_calls": calls,
+        "fused_calls": run.iters,  # per flag-on variant (checked above: on-alt as many again)
         # "direct" / "prereduced" / "reference": what the flag-on layer's last combine ran
         "combine_mode": layers["on"].token_dispatcher.last_combine,
+        "flag_on_state": flag_on_state,
         "param_bytes": rank_max({n: param_bytes(layers[n]) for n in names}),
         "fwd_extra_bytes": rank_max({n: timers[n].fwd_extra_bytes if cuda else None
                                      for n in names}),
         "peak_abs_bytes": rank_max({n: timers[n].peak_bytes if cuda else None for n in names}),
         "persistent_bytes": rank_max(persistent if cuda else {}),
-        "symm_workspace_bytes": rank_max({n: (symm if n == "on" else 0) if cuda else None
-                                          for n in names}),
+        "symm_workspace_bytes": rank_max({n: (symm if n in ("on", "on-alt") else 0)
+                                          if cuda else None for n in names}),
     }
 
 
@@ -718,19 +794,24 @@ def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title:
     return "\n".join(texts)
 
 
-def describe(layers: dict, backend: str, te_version: str | None) -> dict:
-    """{variant: (label, experts_impl)} after the variants ran (`baselines.label`)."""
+def describe(layers: dict, backend: str, te_version: str | None,
+             flag_on_state: dict | None = None) -> dict:
+    """{variant: (label, experts_impl)} after the variants ran (`baselines.label`); the
+    flag-on variants from `flag_on_state` ({variant: (last_fc1, last_fc2_weight, plan)}
+    after its own forward, `time_workload`) where given, else from the layer now."""
     from megatron_overlap.bench.baselines import label
 
     out = {}
+    if flag_on_state and "on-alt" in flag_on_state:
+        layers = {**layers, "on-alt": layers["on"]}
     for name, layer in layers.items():
         experts = layer.experts
-        if name == "on":
-            plan = layer.token_dispatcher.plan
+        if name in ("on", "on-alt"):
+            fc1, fc2_weight, plan = (flag_on_state or {}).get(name) or (
+                experts.last_fc1, experts.last_fc2_weight, layer.token_dispatcher.plan)
             plan_text = "-" if plan is None else f"{plan.num_comm_ctas} comm CTAs ({plan.source})"
-            impl = f"{experts.last_fc1}; FC2 in the fused op, weights {experts.last_fc2_weight}"
-            text = label("on", fc1=experts.last_fc1, fc2_weight=experts.last_fc2_weight,
-                         backend=backend, plan=plan_text)
+            impl = f"{fc1}; FC2 in the fused op, weights {fc2_weight}"
+            text = label("on", fc1=fc1, fc2_weight=fc2_weight, backend=backend, plan=plan_text)
         elif name == "off-grouped":
             impl = experts.last_impl
             text = label(name, impl=impl)
@@ -775,6 +856,7 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
     cuda = run.device == "cuda"
     rows = []
     for name, times in ms.items():
+        flag_on = name in ("on", "on-alt")
         errors = result["errors"].get(name)
         agree = errors is None or (errors["max_rel_diff"] <= TOLERANCE[run.dtype]
                                    and errors["nonfinite"] == 0)
@@ -792,10 +874,12 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "variant": name,
             "label": details[name][0],
             "experts_impl": details[name][1],
-            "moe_gatherrs_overlap": name == "on",
-            "backend": info["backend"] if name == "on" else "megatron-alltoall",
-            "fused_calls": result["fused_calls"] if name == "on" else 0,
-            "combine_mode": result["combine_mode"] if name == "on" else None,
+            "moe_gatherrs_overlap": flag_on,
+            "backend": info["backend"] if flag_on else "megatron-alltoall",
+            "fused_calls": result["fused_calls"] if flag_on else 0,
+            "combine_mode": result["combine_mode"] if flag_on else None,
+            # on-alt: the variable set around its forwards (--alt-env)
+            "alt_env": "=".join(run.alt_env) if name == "on-alt" else None,
             "ms_p20": percentile(times, 20),
             "ms_p50": p50[name],
             "ms_p80": percentile(times, 80),
@@ -929,7 +1013,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                                             trace_prefix=prefix)
                     if rank0:
                         print(text, flush=True)
-                details = describe(layers, backend, te_version)
+                details = describe(layers, backend, te_version, result["flag_on_state"])
                 new = make_rows(result, seq, info, details, run)
                 rows += new
                 if rank0:

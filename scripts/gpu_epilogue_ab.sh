@@ -22,9 +22,10 @@
 #          one GPU), the default tile and the three variants side by side in one run
 #          (rows ours[<tile>] and nocomm[<tile>]); rows $OUT/bench_op_epilogue.jsonl
 #   layer  launch/bench_layer.py, Qwen3-30B-A3B and DeepSeek-V2-Lite at 32768 tokens, EP2
-#          and TP2 (EP1 on one GPU), MEGATRON_OVERLAP_TMA_STORE=0 and 1 alternately (two
-#          rounds each, ~60-150 s a process, each cut at its share of 560 s), then a table
-#          of flag on's p50 per setting against off-grouped; rows $OUT/layer_tma{0,1}.jsonl
+#          and TP2 (EP1 on one GPU), two rounds (processes, each cut at its share of 560 s),
+#          each timing 'on' (register stores) and 'on-alt' (--alt-env
+#          MEGATRON_OVERLAP_TMA_STORE=1: the same layer, forwards interleaved) against
+#          off-grouped; then a table per round; rows $OUT/layer_tma.jsonl
 # OUT (default results/epilogue_ab) is relative to the caller's directory.
 # MO_MODELS, MO_TOKENS (op), MO_SEQS (layer) override the lists.
 set -o pipefail
@@ -85,47 +86,46 @@ case "${1:-}" in
   layer)
     layouts="ep2 tp2"
     [[ "$nproc" -eq 1 ]] && layouts="ep1"
-    rm -f "$out/layer_tma0.jsonl" "$out/layer_tma1.jsonl" "$out/layer.log"
+    rm -f "$out/layer_tma.jsonl" "$out/layer.log"
     status=0
     start=$(date +%s)
-    left=4  # processes still to run; each gets an equal share of what is left of 560 s
+    # In one process per round, 'on' (register stores) and 'on-alt'
+    # (MEGATRON_OVERLAP_TMA_STORE=1) are the same layer object, their forwards interleaved
+    # (bench_layer.py --alt-env): the process's host speed, which moved whole processes by
+    # up to 1.7x in v5.3's process-per-setting A/B, is common to both.
     for round in 1 2; do
-      for tma in 0 1; do
-        limit=$(( (560 - ($(date +%s) - start)) / left ))
-        (( limit < 10 )) && limit=10  # (timeout 0 would mean no limit)
-        left=$(( left - 1 ))
-        echo "== round $round, MEGATRON_OVERLAP_TMA_STORE=$tma (limit ${limit} s)"
-        # shellcheck disable=SC2086
-        MEGATRON_OVERLAP_TMA_STORE=$tma timeout "$limit" torchrun --standalone \
-          --nproc_per_node "$nproc" launch/bench_layer.py \
-          --model ${MO_MODELS:-qwen3-30b-a3b deepseek-v2-lite} \
-          --seq-lengths ${MO_SEQS:-32768} --layouts $layouts --baselines off-grouped \
-          --warmup 3 --iters 20 --out "$out/layer_tma$tma.jsonl" 2>&1 \
-          | tee -a "$out/layer.log" | grep -v -i warn | tail -3 || status=1
-      done
+      limit=$(( (560 - ($(date +%s) - start)) / (3 - round) ))
+      (( limit < 10 )) && limit=10  # (timeout 0 would mean no limit)
+      echo "== round $round (limit ${limit} s)"
+      # shellcheck disable=SC2086
+      env -u MEGATRON_OVERLAP_TMA_STORE timeout "$limit" torchrun --standalone \
+        --nproc_per_node "$nproc" launch/bench_layer.py \
+        --model ${MO_MODELS:-qwen3-30b-a3b deepseek-v2-lite} \
+        --seq-lengths ${MO_SEQS:-32768} --layouts $layouts --baselines off-grouped \
+        --alt-env MEGATRON_OVERLAP_TMA_STORE=1 \
+        --warmup 3 --iters 20 --out "$out/layer_tma.jsonl" 2>&1 \
+        | tee -a "$out/layer.log" | grep -v -i warn | tail -3 || status=1
     done
-    python3 - "$out/layer_tma0.jsonl" "$out/layer_tma1.jsonl" <<'EOF' || status=1
+    python3 - "$out/layer_tma.jsonl" <<'EOF' || status=1
 import json, sys
 from collections import defaultdict
-p50 = defaultdict(list)  # (model, layout, seq, tma, variant) -> p50 of each round
-for path in sys.argv[1:]:
-    for line in open(path):
-        r = json.loads(line)
-        p50[(r["model"], r["layout"], r["seq_length"], r["tma_store"], r["variant"])].append(
-            r["ms_p50"])
+p50 = defaultdict(list)  # (model, layout, seq, variant) -> p50 of each round
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    p50[(r["model"], r["layout"], r["seq_length"], r["variant"])].append(r["ms_p50"])
 cells = sorted({k[:3] for k in p50})
-print("| model | layout | seq | on, tma 0 (rounds) | on, tma 1 (rounds) | tma 1 / tma 0 "
-      "| off-grouped / on, tma 0 | off-grouped / on, tma 1 |")
+print("| model | layout | seq | on, registers (rounds) | on-alt, TMA store (rounds) "
+      "| TMA / registers (rounds) | off-grouped / on | off-grouped / on-alt |")
 print("|---|---|---|---|---|---|---|---|")
 for c in cells:
-    on0, on1 = p50[c + (False, "on")], p50[c + (True, "on")]
-    og = p50[c + (False, "off-grouped")] + p50[c + (True, "off-grouped")]
-    if not (on0 and on1 and og):
+    on, alt, og = p50[c + ("on",)], p50[c + ("on-alt",)], p50[c + ("off-grouped",)]
+    if not (on and alt and og) or len(on) != len(alt) or len(og) != len(on):
         continue
-    m0, m1, mog = min(on0), min(on1), min(og)
-    print(f"| {c[0]} | {c[1]} | {c[2]} | {' '.join(f'{x:.3f}' for x in on0)} | "
-          f"{' '.join(f'{x:.3f}' for x in on1)} | {m1 / m0:.3f} | {mog / m0:.3f} | "
-          f"{mog / m1:.3f} |")
+    print(f"| {c[0]} | {c[1]} | {c[2]} | {' '.join(f'{x:.3f}' for x in on)} | "
+          f"{' '.join(f'{x:.3f}' for x in alt)} | "
+          f"{' '.join(f'{b / a:.3f}' for a, b in zip(on, alt))} | "
+          f"{' '.join(f'{g / a:.3f}' for a, g in zip(on, og))} | "
+          f"{' '.join(f'{g / b:.3f}' for b, g in zip(alt, og))} |")
 EOF
     exit $status
     ;;

@@ -279,3 +279,45 @@ def test_parse_layout(text, layout):
 def test_parse_layout_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
         _module().parse_layout(text)
+
+
+def test_alt_env_interleaves_a_second_flag_on_variant(tmp_path):
+    """--alt-env: 'on-alt' is the flag-on layer run with the variable set (here a tiny FC1
+    chunk, so its FC1 runs in more row chunks than 'on''s), timed in the same rounds, agreeing
+    with off like 'on'; the variable is unset again for every other forward."""
+    proc, rows = _launch(tmp_path, 1, "--baselines", "off", "--fc1-impl", "grouped",
+                         "--alt-env", "MEGATRON_OVERLAP_FC1_CHUNK_MB=0.001")
+    assert proc.returncode == 0, _explain(proc)
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == ["off", "on", "on-alt"], list(by)
+    on, alt = by["on"], by["on-alt"]
+    assert alt["alt_env"] == "MEGATRON_OVERLAP_FC1_CHUNK_MB=0.001" and on["alt_env"] is None
+    assert alt["agree"] and alt["moe_gatherrs_overlap"] and alt["fused_calls"] == 2
+    assert on["fused_calls"] == 2 and len(alt["ms_all"]) == 2
+    assert "row chunks" in alt["experts_impl"], alt["experts_impl"]
+    assert "row chunks" not in on["experts_impl"], on["experts_impl"]  # unset again for 'on'
+    assert alt["speedup_over_on"] == pytest.approx(alt["ms_p50"] / on["ms_p50"])
+    assert " on-alt " in proc.stdout, _explain(proc)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("FC1_CHUNK_MB=1", "expected MEGATRON_OVERLAP_<NAME>=<value>"),
+    ("MEGATRON_OVERLAP_TMA_STORE", "expected MEGATRON_OVERLAP_<NAME>=<value>"),
+    ("MEGATRON_OVERLAP_TMA_STORE=2", "MEGATRON_OVERLAP_TMA_STORE"),
+])
+def test_alt_env_refuses_bad_values(value, message, monkeypatch):
+    module = _module()
+    monkeypatch.delenv("MEGATRON_OVERLAP_TMA_STORE", raising=False)
+    with pytest.raises(ValueError, match=message):
+        module.parse_alt_env(value)
+    import os
+
+    assert "MEGATRON_OVERLAP_TMA_STORE" not in os.environ  # restored after the check
+
+
+def test_alt_env_refuses_the_breakdowns():
+    module = _module()
+    args = module.build_parser().parse_args(
+        ["--device", "cpu", "--alt-env", "MEGATRON_OVERLAP_TMA_STORE=1", "--host-breakdown"])
+    with pytest.raises(ValueError, match="--alt-env times 'on-alt' only"):
+        module.resolve_args(args, 1)
