@@ -328,3 +328,21 @@ def test_launchers_refuse_a_model_too_big_for_the_host(script, tmp_path):
                            "--out", ""], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "GiB are available; on the CPU use a smaller model" in proc.stderr, proc.stderr
+
+
+def test_bench_host_times_every_step(tmp_path, capsys):
+    bench_host = _load("bench_host")
+    out = tmp_path / "host.jsonl"
+    assert bench_host.main(["--model", "qwen1.5-moe-a2.7b", "--tokens", "256", "--rounds", "2",
+                            "--thrash-mib", "1", "--out", str(out)]) == 0
+    import json
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in rows] == ["triton_metadata", "plan (direct)", "plan (auto)",
+                                         "direct_layout", "host tile list"]
+    assert all(r["cold_us"] > 0 and r["warm_us"] > 0 and r["rounds"] == 2 for r in rows)
+    assert "cold/warm" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:  # 60 experts do not split over 7 ranks
+        bench_host.main(["--model", "qwen1.5-moe-a2.7b", "--ep", "7", "--rounds", "1"])
+    assert exc.value.code == 2
+    assert "do not split over 7 ranks" in capsys.readouterr().err

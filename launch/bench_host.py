@@ -1,0 +1,171 @@
+"""Host cost of the flag-on path's CPU-side steps, warm and cold, on any machine (no GPU).
+
+    python3 launch/bench_host.py --model qwen3-30b-a3b --tokens 4096 --ep 2
+
+A MoE layer forward runs each of these steps once, after the rest of the forward has
+evicted their code and data from the CPU's caches. On the GPU machines a step's span in the
+forward (`bench_layer.py --host-breakdown`) is 3-8x its warm time: `mo.plan` 83-116 us
+against ~11 us back to back (docs/perf_notes.md v5.3). There, the host speed of a process
+moves such spans by up to 1.7x. This script measures the same steps on the machine at
+hand: per round, each step once right after a thrash of the caches ("cold": a pass over
+--thrash-mib MiB of memory and a walk over 20000 of 200000 small Python objects), then once
+more at once ("warm"); it prints the median of --rounds rounds, in microseconds. Steps,
+for rank 0 of an EP group with uniform routing (`bench.workloads`):
+
+  triton_metadata      the dispatcher's metadata from the exchanged counts
+  plan (direct)        `plan_gemm2_gatherrs`, the C++ solver where it is built
+  plan (auto)          the same, with the combine-mode choice (the dispatcher's default)
+  direct_layout        the segments, arrivals and finalize bases (C++ where built)
+  host tile list       `expand_tiles` + `wave_order` (MEGATRON_OVERLAP_TILE_LIST=host)
+
+Use it to compare a change of these steps before and after it on one machine (the numbers
+are this CPU's, not the GPU host's). `--out` appends one JSON row per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_overlap.bench.cli import positive_int  # noqa: E402
+
+
+class _Thrash:
+    """Evicts the CPU's caches: a strided write over a buffer and a walk over many small
+    objects (what the rest of a forward does to them)."""
+
+    def __init__(self, mib: int, seed: int) -> None:
+        import numpy as np
+
+        self.buf = np.zeros(mib << 20, dtype=np.uint8)
+        self.objs = [{"k": [i] * 8} for i in range(200_000)]
+        self.rng = random.Random(seed)
+
+    def __call__(self) -> int:
+        self.buf[::64] += 1
+        total = 0
+        for d in self.rng.sample(self.objs, 20_000):
+            total += d["k"][0]
+        return total
+
+
+def time_step(fn, thrash, rounds: int) -> tuple[float, float]:
+    """(cold, warm) median microseconds of `fn()` over `rounds` rounds."""
+    cold, warm = [], []
+    fn()  # imports, caches and first-call costs out of the way
+    for _ in range(rounds):
+        thrash()
+        t0 = time.perf_counter()
+        fn()
+        cold.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        warm.append(time.perf_counter() - t0)
+    return statistics.median(cold) * 1e6, statistics.median(warm) * 1e6
+
+
+def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
+    """{name: zero-argument callable} of the measured steps."""
+    import numpy as np
+
+    from megatron_overlap.bench.workloads import routing_maps
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.metadata import triton_metadata
+    from megatron_overlap.models import load_model_shape
+    from megatron_overlap.ops.triton_gemm2_gatherrs import (
+        DEFAULT_TILE,
+        direct_layout,
+        expand_tiles,
+        wave_order,
+    )
+    from megatron_overlap.resource import KernelResources, plan_gemm2_gatherrs
+
+    shape = load_model_shape(model)
+    num_experts, topk = shape.num_moe_experts, shape.moe_router_topk
+    if num_experts % ep:
+        raise ValueError(f"--ep {ep}: {shape.name}'s {num_experts} experts do not split "
+                         f"over {ep} ranks")
+    maps = routing_maps([tokens] * ep, num_experts, topk, "uniform", seed=seed)
+    counts = np.stack([m.sum(dim=0).numpy() for m in maps]).astype(np.int64)  # [R, E]
+    routing_map = maps[0]
+
+    def meta():
+        return triton_metadata(counts, tp_size=1, tp_rank=0, ep_size=ep, ep_rank=0,
+                               topk=topk, routing_map=routing_map)
+
+    m = meta()
+    # the compiled kernel's resources as the GPU reports them for the default tile (v5.2)
+    kernel = KernelResources(registers_per_thread=255, shared_bytes=147480,
+                             threads_per_cta=256)
+    hidden, ffn = shape.hidden_size, shape.moe_ffn_hidden_size
+    recv_rows = int(counts[0].sum())
+
+    def plan(prereduce):
+        options = GatherRSOptions(prereduce=prereduce)
+        return lambda: plan_gemm2_gatherrs(m, options, num_sms=132, hidden=hidden, ffn=ffn,
+                                           elem_bytes=2, recv_rows=recv_rows, kernel=kernel)
+
+    bm, bn = DEFAULT_TILE.bm, DEFAULT_TILE.bn
+    layout = direct_layout(m, hidden, bm, bn)
+    grid = plan(False)().num_ctas
+
+    def tile_list():
+        table = expand_tiles(layout)
+        if layout.num_remote and layout.num_local:
+            table = table[wave_order(layout.num_remote, layout.num_local, grid, 16)]
+        return table
+
+    return {
+        "triton_metadata": meta,
+        "plan (direct)": plan(False),
+        "plan (auto)": plan("auto"),
+        "direct_layout": lambda: direct_layout(m, hidden, bm, bn),
+        "host tile list": tile_list,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-30b-a3b",
+                        help="model shape (configs/models/*.yaml or a YAML path)")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
+    parser.add_argument("--ep", type=positive_int, default=2, help="EP size (rank 0 timed)")
+    parser.add_argument("--rounds", type=positive_int, default=60,
+                        help="cold + warm measurements per step (medians)")
+    parser.add_argument("--thrash-mib", type=positive_int, default=64,
+                        help="MiB written between rounds to evict the caches")
+    parser.add_argument("--seed", type=int, default=0, help="routing seed")
+    parser.add_argument("--out", default="", help="JSONL file to append one row per step to")
+    args = parser.parse_args(argv)
+    try:
+        todo = steps(args.model, args.tokens, args.ep, args.seed)
+    except ValueError as err:
+        parser.error(str(err))
+    thrash = _Thrash(args.thrash_mib, args.seed)
+    rows = []
+    print(f"{args.model}, {args.tokens} tokens per rank, EP {args.ep}, rank 0: host us "
+          f"(median of {args.rounds})")
+    print(f"  {'step':18s} {'cold':>9s} {'warm':>9s} {'cold/warm':>9s}")
+    for name, fn in todo.items():
+        cold, warm = time_step(fn, thrash, args.rounds)
+        print(f"  {name:18s} {cold:9.1f} {warm:9.1f} {cold / warm:9.1f}")
+        rows.append(dict(benchmark="host", model=args.model, tokens_per_rank=args.tokens,
+                         ep=args.ep, step=name, cold_us=cold, warm_us=warm,
+                         rounds=args.rounds, thrash_mib=args.thrash_mib))
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
