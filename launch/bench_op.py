@@ -338,7 +338,9 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
             prepare_timed=True)
         results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters, args.queue_ms)
         variant_errs = {}
-        for name in args.variants:  # other tile configurations / schedules, same inputs
+        # other tile configurations / schedules, same inputs and the same plan (grid and k of
+        # the default tile's epilogue): an A/B of the tiles at equal k
+        for name in args.variants:
             tile, per_sm = parse_tile(name)
             v_plan = dataclasses.replace(plan, num_ctas=per_sm * num_sms, source="forced")
             call = one_call(tile, v_plan)  # compiles; its result is checked

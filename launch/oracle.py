@@ -71,11 +71,15 @@ def workload_metas(workload, world: int, seed: int, ranks=None):
 
 
 def plan_for(meta, shape, tp, maps, rank, num_sms, options=None, profile=None):
-    """The resource manager's plan of one rank (what the dispatcher would pass)."""
+    """The resource manager's plan of one rank (what the dispatcher would pass: the tile
+    time of the epilogue the GPU's calls run, `MEGATRON_OVERLAP_TMA_STORE`'s)."""
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _gpu_tile, epilogue_stores_tma
+
     return plan_gemm2_gatherrs(
         meta, options or DIRECT, num_sms=num_sms,
         hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size // tp, elem_bytes=2,
-        recv_rows=int(maps[rank].sum()) * tp, profile=profile)
+        recv_rows=int(maps[rank].sum()) * tp, profile=profile,
+        tma_store=epilogue_stores_tma(_gpu_tile(), shape.hidden_size, 2))
 
 
 def dry_run(args) -> int:

@@ -38,7 +38,11 @@ def main() -> int:
     from megatron_overlap.bench.workloads import rank_rows, routing_maps
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.models import load_model_shape
-    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
+    from megatron_overlap.ops.triton_gemm2_gatherrs import (
+        _Call,
+        default_tile,
+        epilogue_stores_tma,
+    )
     from megatron_overlap.resource import plan_gemm2_gatherrs
     from megatron_overlap.symm import destroy_workspaces, get_workspace
 
@@ -61,7 +65,9 @@ def main() -> int:
                                num_sms=torch.cuda.get_device_properties(device)
                                .multi_processor_count,
                                hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
-                               recv_rows=int(maps[rank].sum()))
+                               recv_rows=int(maps[rank].sum()),
+                               tma_store=epilogue_stores_tma(default_tile(device),
+                                                             shape.hidden_size, 2))
     ws = get_workspace(group, hidden=shape.hidden_size, dtype=h.dtype, device=device)
 
     stages = {"prepare": [], "(unused)": [], "gemm launch": [], "finalize launch": [],
@@ -115,6 +121,7 @@ def main() -> int:
         torch.cuda.synchronize()
         ws.check_errors(block=True)
     opts_plan = dict(num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+                     tma_store=epilogue_stores_tma(default_tile(device), shape.hidden_size, 2),
                      hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
                      recv_rows=int(maps[rank].sum()))
     prims = {

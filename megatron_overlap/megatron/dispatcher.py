@@ -321,7 +321,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 kernel=call_resources(h_like.dtype, w2.shape[2], w2.shape[1], self.tp_size,
                                       self.config.moe_router_topk, self.num_experts),
                 # the tile time of the epilogue the call will run (its tile: default_tile)
-                tma_store=h_like.is_cuda and epilogue_stores_tma(
+                tma_store=epilogue_stores_tma(
                     default_tile(h_like.device), w2.shape[1], h_like.element_size()))
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None

@@ -178,7 +178,7 @@ def prepare_gemm2_gatherrs(
                                    if meta.routing_map is None else call_resources(
                                        h_like.dtype, w2.shape[2], w2.shape[1], meta.tp_size,
                                        meta.topk, meta.routing_map.shape[1]),
-                                   tma_store=h_like.is_cuda and epilogue_stores_tma(
+                                   tma_store=epilogue_stores_tma(
                                        default_tile(h_like.device), w2.shape[1],
                                        h_like.element_size()))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,

@@ -168,6 +168,12 @@ class HardwareProfile:
         if len(set(keys)) != len(keys):
             raise ValueError("tile_times: a tile shape appears twice with the same tma_store "
                              f"in {[(t.shape, t.tma_store) for t in self.tile_times]}")
+        register_shapes = {t.shape for t in self.tile_times if not t.tma_store}
+        for t in self.tile_times:
+            if t.shape not in register_shapes:
+                raise ValueError(f"tile_times: {t.bm}x{t.bn}x{t.bk} has a tma_store entry but "
+                                 "no register-store one (an entry without tma_store); every "
+                                 "shape needs one")
         for key in _POSITIVE_FLOATS:
             _check_float(key, getattr(self, key), positive=True)
         for key in _NONNEGATIVE_FLOATS:
@@ -176,13 +182,16 @@ class HardwareProfile:
     def tile_time(self, bm: int, bn: int, bk: int, tma_store: bool = False) -> TileTime:
         """The tile time model of shape (bm, bn, bk) with the register-store epilogue, or
         with the TMA-store one (`tma_store`). A profile without a TMA-store entry for the
-        shape gives its register-store entry for it, warned once per profile and shape:
-        on one H200 the TMA-store tile was never slower (docs/perf_notes.md v5.3), so that
-        time is an upper bound.
+        shape gives its register-store entry for it, warned once per profile and shape (in
+        one calibration run on one H200 the TMA-store tile was never the slower of the two,
+        docs/perf_notes.md v5.3).
 
         Raises:
+            TypeError: tma_store is not a bool.
             ValueError: the profile has no entry for that shape (the message lists them).
         """
+        if tma_store is not True and tma_store is not False:
+            raise TypeError(f"tma_store={tma_store!r}: expected a bool")
         for t in self.tile_times:  # (a short tuple: the common case returns at once)
             if t.bm == bm and t.bn == bn and t.bk == bk and t.tma_store == tma_store:
                 return t
@@ -197,7 +206,7 @@ class HardwareProfile:
                               stacklevel=2)
             return fallback
         raise ValueError(f"hardware profile {self.name!r} has no tile time for tile "
-                         f"{bm}x{bn}x{bk}; it has {[t.shape for t in self.tile_times]} "
+                         f"{bm}x{bn}x{bk}; it has {sorted({t.shape for t in self.tile_times})} "
                          "(launch/calibrate.py measures the default tile "
                          "megatron_overlap.resource.DEFAULT_TILE only: plan for that tile, or "
                          "add a tile_times entry for this shape to the profile YAML)")

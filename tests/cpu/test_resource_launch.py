@@ -90,6 +90,22 @@ def test_calibrate_dry_run_tma_store_writes_both_epilogues(tmp_path):
         "tile_times"][0]  # a register-store entry is written as before
 
 
+def test_calibrate_without_tma_store_keeps_the_bases_tma_entry(tmp_path, capsys):
+    out = tmp_path / "h200.yaml"
+    assert calibrate.main(["--dry-run", "--out", str(out)]) == 0
+    prof, base = load_profile(out), load_profile("h200")
+    from megatron_overlap.resource import DEFAULT_TILE
+
+    assert prof.extra["tma_store_copied_from_base"] is True
+    assert prof.tile_time(*DEFAULT_TILE, tma_store=True) == base.tile_time(*DEFAULT_TILE,
+                                                                            tma_store=True)
+    assert not any(r["tma_store"] for r in prof.extra["tile_sweep"])  # not measured
+    with pytest.raises(SystemExit) as exc:  # 2008-byte rows: registers, not TMA
+        calibrate.main(["--dry-run", "--tma-store", "--hidden", "1004", "--out", str(out)])
+    assert exc.value.code == 2
+    assert "needs rows of a multiple of 16 bytes" in capsys.readouterr().err
+
+
 def test_oracle_dry_run_rows(tmp_path):
     out = tmp_path / "oracle.jsonl"
     args = ["--dry-run", "--out", str(out), "--models", "mixtral-8x7b", "qwen3-30b-a3b",

@@ -396,6 +396,43 @@ def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypat
     assert fake.last_combine == ("prereduced" if gathered else "direct")
 
 
+@pytest.mark.parametrize("tile, hidden, want", [("tma", 8, True), ("tma", 1004, False),
+                                                ("registers", 8, False)])
+def test_dispatcher_plans_with_the_tile_time_of_its_epilogue(monkeypatch, tile, hidden, want):
+    """`prepare_combine` passes the plan `tma_store` of the tile its call will run
+    (`default_tile`; at H = 1004 bf16 rows are not TMA-aligned: registers)."""
+    import types
+
+    import torch
+
+    pytest.importorskip("megatron.core")
+    from megatron_overlap.megatron import dispatcher as d
+    from megatron_overlap.ops import triton_gemm2_gatherrs as t
+
+    seen = {}
+
+    def plan(meta, options, **kwargs):
+        seen["tma_store"] = kwargs["tma_store"]
+        return types.SimpleNamespace(mode="direct")
+
+    monkeypatch.setattr(d, "plan_gemm2_gatherrs", plan)
+    monkeypatch.setattr(d, "prepare_gemm2_gatherrs",
+                        lambda *a, **k: types.SimpleNamespace(MODE="direct"))
+    monkeypatch.setattr(t, "default_tile", lambda device: t.DEFAULT_TMA_TILE if tile == "tma"
+                        else t.DEFAULT_TILE)
+    fake = types.SimpleNamespace(
+        metadata=types.SimpleNamespace(group_size=1), _num_sms=132, ep_rank=0, tp_rank=0,
+        tp_size=1, ep_size=1, num_experts=2, _counts=np.array([[2, 2]]), _triton=True,
+        options=GatherRSOptions(), _direct_options=GatherRSOptions(prereduce=False),
+        num_plans=0, tp_ep_group=None,
+        config=types.SimpleNamespace(moe_expert_capacity_factor=None, moe_router_topk=2),
+        routing_map=torch.zeros(2, 2, dtype=torch.bool))
+    d.GatherRSAlltoAllTokenDispatcher.prepare_combine(
+        fake, torch.zeros(1, 8, dtype=torch.bfloat16),
+        torch.zeros(2, hidden, 8, dtype=torch.bfloat16))
+    assert seen["tma_store"] is want
+
+
 def test_cpp_and_python_mode_times_are_bit_identical():
     """`csrc/solver.cpp: mode_times` against its twin `resource.model.mode_times` on random
     groups (every rank must choose alike, and ranks run the same implementation; the two are

@@ -341,6 +341,11 @@ def test_tma_store_tile_times_are_looked_up_by_epilogue():
         only_reg.tile_time(*DEFAULT_TILE, tma_store=True)
     with pytest.raises(ValueError, match="no tile time for tile 64x64x32"):
         only_reg.tile_time(64, 64, 32, tma_store=True)  # no shape at all: still an error
+    for bad in ("yes", None, 1):
+        with pytest.raises(TypeError, match="tma_store=.*expected a bool"):
+            H200.tile_time(*DEFAULT_TILE, tma_store=bad)
+    with pytest.raises(ValueError, match="has a tma_store entry but no register-store one"):
+        profile_from_dict(dict(good, tile_times=[tma]))
 
 
 def test_plan_takes_the_tile_time_of_its_epilogue():
