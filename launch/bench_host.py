@@ -145,9 +145,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="routing seed")
     parser.add_argument("--out", default="", help="JSONL file to append one row per step to")
     args = parser.parse_args(argv)
+    from megatron_overlap.bench.cli import check_launch_inputs
+
     try:
+        if args.out:
+            check_launch_inputs(args.out)  # an unwritable --out fails now, not after the timing
         todo = steps(args.model, args.tokens, args.ep, args.seed)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:
         parser.error(str(err))
     thrash = _Thrash(args.thrash_mib, args.seed)
     rows = []

@@ -204,13 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "and 'off-grouped' under Python's cProfile and print rank 0's "
                              "functions by own host time: which Python code a host-bound "
                              "forward spends its time in")
-    parser.add_argument("--alt-env", default="", metavar="VAR=VALUE",
-                        help="also time the flag-on layer with $VAR set to VALUE (a "
-                             "MEGATRON_OVERLAP_* variable the fused path reads per call, e.g. "
-                             "MEGATRON_OVERLAP_TMA_STORE=1), as variant 'on-alt': the same "
-                             "layer object, its forwards interleaved with 'on''s in one "
+    parser.add_argument("--alt-env", default="", metavar="VAR=VALUE", action=_Once,
+                        help="also time the flag-on layer with $VAR set to VALUE (one of "
+                             "the fused path's MEGATRON_OVERLAP_* variables, read per call, "
+                             "e.g. MEGATRON_OVERLAP_TMA_STORE=1), as variant 'on-alt': the "
+                             "same layer object, its forwards interleaved with 'on''s in one "
                              "process, so that the process's host speed is common to both "
-                             "(rows 'on-alt' with alt_env; the report ignores them)")
+                             "(rows 'on-alt' with alt_env and their own settings; the "
+                             "report's speedups and targets leave them out). Not with "
+                             "--profile, --host-breakdown or --cprofile")
     parser.add_argument("--trace-dir", default="",
                         help="with --profile: rank 0 also writes each profiled forward as a "
                              "chrome trace <model>_<layout>_<seq>_<variant>.json here (host "
@@ -245,18 +247,42 @@ class RunConfig:
     """(variable, value) of the 'on-alt' variant (`--alt-env`), or None."""
 
 
+ALT_ENV_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
+                     "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_FC1_CHUNK_MB",
+                     "MEGATRON_OVERLAP_SOLVER", "MEGATRON_OVERLAP_HW_PROFILE")
+"""The variables `--alt-env` takes: those of the fused path, each read per call
+(`megatron_overlap.config.check_environment` checks their values)."""
+
+
+class _Once(argparse.Action):
+    """An option that may be given once (a second value is refused, not silently kept)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None):
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r} "
+                         f"and {values!r}); it takes one VAR=VALUE")
+        setattr(namespace, self.dest, values)
+
+
 def parse_alt_env(text: str) -> tuple[str, str] | None:
     """`--alt-env VAR=VALUE` -> (VAR, VALUE); "" -> None.
 
     Raises:
-        ValueError: not VAR=VALUE, VAR not a MEGATRON_OVERLAP_* variable, or a value the
-            fused path refuses (`megatron_overlap.config.check_environment` with it set).
+        ValueError: not VAR=VALUE, VAR not one of `ALT_ENV_VARIABLES`, VAR already set to
+            VALUE, or a value the fused path refuses (`megatron_overlap.config.
+            check_environment` with it set).
     """
     if not text:
         return None
     var, sep, value = text.partition("=")
     if not sep or not var.startswith("MEGATRON_OVERLAP_"):
         raise ValueError(f"--alt-env {text!r}: expected MEGATRON_OVERLAP_<NAME>=<value>")
+    if var not in ALT_ENV_VARIABLES:
+        raise ValueError(f"--alt-env {text!r}: {var} is not a variable of the fused path; "
+                         f"expected one of {', '.join(ALT_ENV_VARIABLES)}")
+    if os.environ.get(var) == value:
+        raise ValueError(f"--alt-env {text!r}: {var} is {value!r} already, so 'on-alt' "
+                         "would run what 'on' runs; unset it or set another value for 'on'")
     from megatron_overlap.config import check_environment
 
     with alt_environment((var, value)):
@@ -855,6 +881,12 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
     p50 = {name: percentile(v, 50) for name, v in ms.items()}
     cuda = run.device == "cuda"
     rows = []
+    alt_settings = {}
+    if "on-alt" in ms:  # the settings its forwards ran with (info: the process's)
+        with alt_environment(run.alt_env):
+            alt_settings = {"fc1_chunk_bytes": fc1_chunk_bytes(),
+                            "tma_store": tma_store_enabled(),
+                            "resource_solver": implementation_name()}
     for name, times in ms.items():
         flag_on = name in ("on", "on-alt")
         errors = result["errors"].get(name)
@@ -868,6 +900,7 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "schema": SCHEMA,
             "benchmark": "layer",
             **info,
+            **(alt_settings if name == "on-alt" else {}),
             "seq_length": seq,
             "tokens_per_rank": seq // info["tp"],
             "global_tokens": seq * info["dp"],

@@ -296,6 +296,8 @@ def test_alt_env_interleaves_a_second_flag_on_variant(tmp_path):
     assert on["fused_calls"] == 2 and len(alt["ms_all"]) == 2
     assert "row chunks" in alt["experts_impl"], alt["experts_impl"]
     assert "row chunks" not in on["experts_impl"], on["experts_impl"]  # unset again for 'on'
+    # each row records the settings its forwards ran with
+    assert on["fc1_chunk_bytes"] == 128 * 2**20 and alt["fc1_chunk_bytes"] < 2**11, alt
     assert alt["speedup_over_on"] == pytest.approx(alt["ms_p50"] / on["ms_p50"])
     assert " on-alt " in proc.stdout, _explain(proc)
 
@@ -304,15 +306,30 @@ def test_alt_env_interleaves_a_second_flag_on_variant(tmp_path):
     ("FC1_CHUNK_MB=1", "expected MEGATRON_OVERLAP_<NAME>=<value>"),
     ("MEGATRON_OVERLAP_TMA_STORE", "expected MEGATRON_OVERLAP_<NAME>=<value>"),
     ("MEGATRON_OVERLAP_TMA_STORE=2", "MEGATRON_OVERLAP_TMA_STORE"),
+    ("MEGATRON_OVERLAP_TMA_STOR=1", "not a variable of the fused path; expected one of "
+                                    "MEGATRON_OVERLAP_TMA_STORE"),
+    ("MEGATRON_OVERLAP_FAST_LAUNCH=0", "is '0' already"),
 ])
 def test_alt_env_refuses_bad_values(value, message, monkeypatch):
     module = _module()
     monkeypatch.delenv("MEGATRON_OVERLAP_TMA_STORE", raising=False)
+    monkeypatch.setenv("MEGATRON_OVERLAP_FAST_LAUNCH", "0")
     with pytest.raises(ValueError, match=message):
         module.parse_alt_env(value)
     import os
 
     assert "MEGATRON_OVERLAP_TMA_STORE" not in os.environ  # restored after the check
+    assert module.parse_alt_env("MEGATRON_OVERLAP_FAST_LAUNCH=1") == (
+        "MEGATRON_OVERLAP_FAST_LAUNCH", "1")
+    assert os.environ["MEGATRON_OVERLAP_FAST_LAUNCH"] == "0"
+
+
+def test_alt_env_once(capsys):
+    module = _module()
+    with pytest.raises(SystemExit):
+        module.build_parser().parse_args(["--alt-env", "MEGATRON_OVERLAP_TMA_STORE=1",
+                                          "--alt-env", "MEGATRON_OVERLAP_FAST_LAUNCH=0"])
+    assert "--alt-env given twice" in capsys.readouterr().err
 
 
 def test_alt_env_refuses_the_breakdowns():

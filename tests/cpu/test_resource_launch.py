@@ -362,3 +362,7 @@ def test_bench_host_times_every_step(tmp_path, capsys):
         bench_host.main(["--model", "qwen1.5-moe-a2.7b", "--ep", "7", "--rounds", "1"])
     assert exc.value.code == 2
     assert "do not split over 7 ranks" in capsys.readouterr().err
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(SystemExit) as exc:  # before any timing
+        bench_host.main(["--out", str(tmp_path / "adir"), "--rounds", "1"])
+    assert exc.value.code == 2
