@@ -201,8 +201,8 @@ class HardwareProfile:
             if key not in _WARNED_TMA_FALLBACK:
                 _WARNED_TMA_FALLBACK.add(key)
                 warnings.warn(f"hardware profile {self.name!r} has no TMA-store tile time for "
-                              f"{bm}x{bn}x{bk}; the plan uses the register-store one (an "
-                              "upper bound). `launch/calibrate.py --tma-store` measures it.",
+                              f"{bm}x{bn}x{bk}; the plan uses the register-store one "
+                              "instead. `launch/calibrate.py --tma-store` measures it.",
                               stacklevel=2)
             return fallback
         raise ValueError(f"hardware profile {self.name!r} has no tile time for tile "
