@@ -568,8 +568,8 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
     Returns:
         {"ms": {variant: [slowest rank's ms per round]}, "errors": {variant: `max_error`
         against "off"}, "fused_calls": launches of the fused op in a variant's timed rounds,
-        "flag_on_state": {flag-on variant: (last_fc1, last_fc2_weight, plan) after its last
-        forward} (`describe`), and per
+        "flag_on_state": {flag-on variant: (last_fc1, last_fc2_weight, plan, last_combine)
+        after its last forward} (`describe`, `make_rows`), and per
         variant, max over ranks: "fwd_extra_bytes", "peak_abs_bytes", "persistent_bytes",
         "param_bytes", "symm_workspace_bytes" (None on CPU but param_bytes)}.
 
@@ -611,7 +611,8 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
             if name in ("on", "on-alt"):  # what its own forward ran (`describe`)
                 layer = layers[name]
                 flag_on_state[name] = (layer.experts.last_fc1, layer.experts.last_fc2_weight,
-                                       layer.token_dispatcher.plan)
+                                       layer.token_dispatcher.plan,
+                                       layer.token_dispatcher.last_combine)
         errors = {name: max_error(outputs[name], outputs["off"]) for name in names
                   if name != "off"}
     del outputs
@@ -631,7 +632,8 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
         "errors": errors,
         "fused_calls": run.iters,  # per flag-on variant (checked above: on-alt as many again)
         # "direct" / "prereduced" / "reference": what the flag-on layer's last combine ran
-        "combine_mode": layers["on"].token_dispatcher.last_combine,
+        # (as "on" ran it; each flag-on variant's own in flag_on_state)
+        "combine_mode": flag_on_state["on"][3],
         "flag_on_state": flag_on_state,
         "param_bytes": rank_max({n: param_bytes(layers[n]) for n in names}),
         "fwd_extra_bytes": rank_max({n: timers[n].fwd_extra_bytes if cuda else None
@@ -823,8 +825,9 @@ def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title:
 def describe(layers: dict, backend: str, te_version: str | None,
              flag_on_state: dict | None = None) -> dict:
     """{variant: (label, experts_impl)} after the variants ran (`baselines.label`); the
-    flag-on variants from `flag_on_state` ({variant: (last_fc1, last_fc2_weight, plan)}
-    after its own forward, `time_workload`) where given, else from the layer now."""
+    flag-on variants from `flag_on_state` ({variant: (last_fc1, last_fc2_weight, plan,
+    last_combine)} after its own forward, `time_workload`) where given, else from the
+    layer now."""
     from megatron_overlap.bench.baselines import label
 
     out = {}
@@ -833,8 +836,8 @@ def describe(layers: dict, backend: str, te_version: str | None,
     for name, layer in layers.items():
         experts = layer.experts
         if name in ("on", "on-alt"):
-            fc1, fc2_weight, plan = (flag_on_state or {}).get(name) or (
-                experts.last_fc1, experts.last_fc2_weight, layer.token_dispatcher.plan)
+            fc1, fc2_weight, plan = ((flag_on_state or {}).get(name) or (
+                experts.last_fc1, experts.last_fc2_weight, layer.token_dispatcher.plan))[:3]
             plan_text = "-" if plan is None else f"{plan.num_comm_ctas} comm CTAs ({plan.source})"
             impl = f"{fc1}; FC2 in the fused op, weights {fc2_weight}"
             text = label("on", fc1=fc1, fc2_weight=fc2_weight, backend=backend, plan=plan_text)
@@ -910,7 +913,9 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "moe_gatherrs_overlap": flag_on,
             "backend": info["backend"] if flag_on else "megatron-alltoall",
             "fused_calls": result["fused_calls"] if flag_on else 0,
-            "combine_mode": result["combine_mode"] if flag_on else None,
+            "combine_mode": (result["flag_on_state"][name][3] if name in
+                             result.get("flag_on_state", {}) else result["combine_mode"])
+            if flag_on else None,
             # on-alt: the variable set around its forwards (--alt-env)
             "alt_env": "=".join(run.alt_env) if name == "on-alt" else None,
             "ms_p20": percentile(times, 20),
