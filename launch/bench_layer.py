@@ -631,9 +631,6 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
         "host_ms": {name: reduce_max(timers[name].host_ms, device) for name in names},
         "errors": errors,
         "fused_calls": run.iters,  # per flag-on variant (checked above: on-alt as many again)
-        # "direct" / "prereduced" / "reference": what the flag-on layer's last combine ran
-        # (as "on" ran it; each flag-on variant's own in flag_on_state)
-        "combine_mode": flag_on_state["on"][3],
         "flag_on_state": flag_on_state,
         "param_bytes": rank_max({n: param_bytes(layers[n]) for n in names}),
         "fwd_extra_bytes": rank_max({n: timers[n].fwd_extra_bytes if cuda else None
@@ -913,9 +910,8 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "moe_gatherrs_overlap": flag_on,
             "backend": info["backend"] if flag_on else "megatron-alltoall",
             "fused_calls": result["fused_calls"] if flag_on else 0,
-            "combine_mode": (result["flag_on_state"][name][3] if name in
-                             result.get("flag_on_state", {}) else result["combine_mode"])
-            if flag_on else None,
+            # "direct" / "prereduced" / "reference": what its last combine ran
+            "combine_mode": result["flag_on_state"][name][3] if flag_on else None,
             # on-alt: the variable set around its forwards (--alt-env)
             "alt_env": "=".join(run.alt_env) if name == "on-alt" else None,
             "ms_p20": percentile(times, 20),

@@ -312,6 +312,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             epilogue_stores_tma,
         )
 
+        tile = default_tile(h_like.device)  # the call's, for its plan and its preparation
         with span("mo.plan"):
             self.plan = plan_gemm2_gatherrs(
                 self.metadata, self.options if self._triton else self._direct_options,
@@ -319,10 +320,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                 recv_rows=recv_rows * self.tp_size,
                 kernel=call_resources(h_like.dtype, w2.shape[2], w2.shape[1], self.tp_size,
-                                      self.config.moe_router_topk, self.num_experts),
-                # the tile time of the epilogue the call will run (its tile: default_tile)
-                tma_store=epilogue_stores_tma(
-                    default_tile(h_like.device), w2.shape[1], h_like.element_size()))
+                                      self.config.moe_router_topk, self.num_experts, tile),
+                # the tile time of the epilogue the call will run
+                tma_store=epilogue_stores_tma(tile, w2.shape[1], h_like.element_size()))
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         maps = None
@@ -340,7 +340,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         with span("mo.prepare"):
             self._prepared = prepare_gemm2_gatherrs(h_like, w2, self.metadata, group=group,
                                                     options=self.options, plan=self.plan,
-                                                    routing_maps=maps)
+                                                    routing_maps=maps, tile=tile)
         self.last_combine = ("reference" if self._prepared is None else
                              "prereduced" if self._prepared.MODE == "prereduce" else "direct")
         self._was_prepared = True

@@ -127,6 +127,7 @@ def prepare_gemm2_gatherrs(
     options: GatherRSOptions,
     plan: Optional[Plan] = None,
     routing_maps: Optional[Sequence[torch.Tensor]] = None,
+    tile=None,
 ):
     """Do a call's host work ahead of time, before h is needed (e.g. while FC1 runs).
 
@@ -139,6 +140,8 @@ def prepare_gemm2_gatherrs(
             here when None (a collective and a host sync); with "auto" and None the call
             runs direct even where the plan chose "prereduce" (no hidden collective).
             Every rank must pass them alike (all or none). Ignored in the direct mode.
+        tile: the call's `TileConfig` (`ops.triton_gemm2_gatherrs`); None:
+            `default_tile(h_like.device)`, read here once for the plan and the call.
 
     Returns:
         A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
@@ -166,6 +169,8 @@ def prepare_gemm2_gatherrs(
     )
     from megatron_overlap.symm import get_workspace
 
+    if tile is None:
+        tile = default_tile(h_like.device)
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         plan_options = options
@@ -174,13 +179,12 @@ def prepare_gemm2_gatherrs(
         plan = plan_gemm2_gatherrs(meta, plan_options, num_sms=num_sms, hidden=w2.shape[1],
                                    ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                                    kernel=compiled_resources(
-                                       h_like.dtype, w2.shape[2], w2.shape[1])
+                                       h_like.dtype, w2.shape[2], w2.shape[1], tile)
                                    if meta.routing_map is None else call_resources(
                                        h_like.dtype, w2.shape[2], w2.shape[1], meta.tp_size,
-                                       meta.topk, meta.routing_map.shape[1]),
-                                   tma_store=epilogue_stores_tma(
-                                       default_tile(h_like.device), w2.shape[1],
-                                       h_like.element_size()))
+                                       meta.topk, meta.routing_map.shape[1], tile),
+                                   tma_store=epilogue_stores_tma(tile, w2.shape[1],
+                                                                 h_like.element_size()))
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
     # plan.mode is the same on every rank (options, group-wide counts). An "auto" choice of
@@ -197,9 +201,9 @@ def prepare_gemm2_gatherrs(
             routing_maps = gather_routing_maps(meta.routing_map, group)
         return PreReducedCall(meta, workspace, plan, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device, timeout_s=options.timeout_s,
-                              routing_maps=routing_maps)
+                              routing_maps=routing_maps, tile=tile)
     return _Call(meta, workspace, plan, hidden=w2.shape[1], dtype=h_like.dtype,
-                 device=h_like.device, timeout_s=options.timeout_s)
+                 device=h_like.device, timeout_s=options.timeout_s, tile=tile)
 
 
 def gather_routing_maps(routing_map: torch.Tensor, group: Optional[dist.ProcessGroup],

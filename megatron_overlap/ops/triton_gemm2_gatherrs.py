@@ -435,10 +435,12 @@ def compiled_resources(dtype: torch.dtype, ffn: int, hidden: int,
 
 
 def call_resources(dtype: torch.dtype, ffn: int, hidden: int, tp_size: int,
-                   topk: Optional[int], num_experts: int) -> Optional[KernelResources]:
+                   topk: Optional[int], num_experts: int,
+                   tile: Optional[TileConfig] = None) -> Optional[KernelResources]:
     """`compiled_resources` of the GEMM2 kernel as a call of this TP size, top-k and expert
-    count launches it (`gemm_index_key`): the plan's occupancy input."""
-    return compiled_resources(dtype, ffn, hidden,
+    count launches it (`gemm_index_key`): the plan's occupancy input. `tile`: as
+    `compiled_resources`."""
+    return compiled_resources(dtype, ffn, hidden, tile,
                               index=gemm_index_key(tp_size, topk, num_experts))
 
 

@@ -371,7 +371,7 @@ def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypat
         seen["gather_sizes"] = sizes
         return ["maps"]
 
-    def prepare(h_like, w2, meta, *, group, options, plan, routing_maps):
+    def prepare(h_like, w2, meta, *, group, options, plan, routing_maps, tile):
         seen["maps"] = routing_maps
         return types.SimpleNamespace(MODE="prereduce" if routing_maps else "direct")
 
@@ -416,8 +416,11 @@ def test_dispatcher_plans_with_the_tile_time_of_its_epilogue(monkeypatch, tile, 
         return types.SimpleNamespace(mode="direct")
 
     monkeypatch.setattr(d, "plan_gemm2_gatherrs", plan)
-    monkeypatch.setattr(d, "prepare_gemm2_gatherrs",
-                        lambda *a, **k: types.SimpleNamespace(MODE="direct"))
+    def prepare(*args, tile, **kwargs):
+        seen["prepared_tile"] = tile
+        return types.SimpleNamespace(MODE="direct")
+
+    monkeypatch.setattr(d, "prepare_gemm2_gatherrs", prepare)
     monkeypatch.setattr(t, "default_tile", lambda device: t.DEFAULT_TMA_TILE if tile == "tma"
                         else t.DEFAULT_TILE)
     fake = types.SimpleNamespace(
@@ -431,6 +434,8 @@ def test_dispatcher_plans_with_the_tile_time_of_its_epilogue(monkeypatch, tile, 
         fake, torch.zeros(1, 8, dtype=torch.bfloat16),
         torch.zeros(2, hidden, 8, dtype=torch.bfloat16))
     assert seen["tma_store"] is want
+    # the call is prepared with the tile it was planned for (read once per forward)
+    assert seen["prepared_tile"] is (t.DEFAULT_TMA_TILE if tile == "tma" else t.DEFAULT_TILE)
 
 
 def test_cpp_and_python_mode_times_are_bit_identical():
