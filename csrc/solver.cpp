@@ -207,8 +207,12 @@ int64_t ctas_per_sm(int64_t regs, int64_t shared, int64_t threads, int64_t regis
   return ctas;
 }
 
-py::tuple count_tiles(py::array counts_in, int64_t local_chunk, int64_t bm, int64_t bn,
-                      int64_t hidden) {
+struct TileCounts {
+  int64_t remote, local, remote_rows;
+};
+
+TileCounts count_tiles_impl(const py::array& counts_in, int64_t local_chunk, int64_t bm,
+                            int64_t bn, int64_t hidden) {
   const char kind = counts_in.dtype().kind();
   if (counts_in.ndim() != 2 || counts_in.shape(1) < 1 || (kind != 'i' && kind != 'u')) {
     fail("rows_per_expert_per_chunk must be an integer [L, R] array with R >= 1");
@@ -241,12 +245,18 @@ py::tuple count_tiles(py::array counts_in, int64_t local_chunk, int64_t bm, int6
       (remote + local) * col_blocks > kMaxTiles) {
     fail("more than " + std::to_string(kMaxTiles) + " tiles");
   }
-  return py::make_tuple(remote * col_blocks, local * col_blocks, remote_rows);
+  return {remote * col_blocks, local * col_blocks, remote_rows};
 }
 
-py::tuple make_problem(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64_t hidden,
-                       int64_t elem, int64_t ffn, int64_t bk, double alpha, double beta,
-                       int64_t o_p, int64_t o_ref, double b_link, double b_cta) {
+py::tuple count_tiles(py::array counts_in, int64_t local_chunk, int64_t bm, int64_t bn,
+                      int64_t hidden) {
+  const TileCounts t = count_tiles_impl(counts_in, local_chunk, bm, bn, hidden);
+  return py::make_tuple(t.remote, t.local, t.remote_rows);
+}
+
+Problem make_problem_impl(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64_t hidden,
+                          int64_t elem, int64_t ffn, int64_t bk, double alpha, double beta,
+                          int64_t o_p, int64_t o_ref, double b_link, double b_cta) {
   check_range("num_ctas", g, 1, kMaxCtas);
   check_range("remote_tiles", tr, 0, kMaxTiles);
   check_range("local_tiles", tl, 0, kMaxTiles);
@@ -276,7 +286,15 @@ py::tuple make_problem(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64_t 
     c_link = round_ps("c_link_ps", bytes * 1000.0 / (double(tr) * b_link));
     c_cta = round_ps("c_cta_ps", bytes * 1000.0 / (double(tr) * b_cta));
   }
-  return py::make_tuple(g, tr, tl, tau, c_link, c_cta);
+  return {g, tr, tl, tau, c_link, c_cta};
+}
+
+py::tuple make_problem(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64_t hidden,
+                       int64_t elem, int64_t ffn, int64_t bk, double alpha, double beta,
+                       int64_t o_p, int64_t o_ref, double b_link, double b_cta) {
+  const Problem p = make_problem_impl(g, tr, tl, rows, hidden, elem, ffn, bk, alpha, beta, o_p,
+                                      o_ref, b_link, b_cta);
+  return py::make_tuple(p.g, p.tr, p.tl, p.tau, p.c_link, p.c_cta);
 }
 
 int64_t gemm_end(int64_t k, int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
@@ -424,6 +442,41 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
   return py::make_tuple(best[0], best[1], slowest[0], slowest[1]);
 }
 
+// One plan's model in one call: count_tiles, make_problem, solve (or gemm_end_ps for an
+// override k), the breakdown's three terms at the chosen k and, with routed counts, the
+// combine mode's times (model.plan_call is the Python twin, same results).
+py::tuple plan_call(py::array counts_in, int64_t local_chunk, int64_t bm, int64_t bn,
+                    int64_t bk, int64_t hidden, int64_t elem, int64_t ffn, int64_t g,
+                    double alpha, double beta, int64_t o_p, int64_t o_ref, double b_link,
+                    double b_cta, int64_t override_k, py::object routed, int64_t tp,
+                    int64_t ep, int64_t topk, int64_t mode_g, int64_t mode_tau,
+                    double b_hbm) {
+  const TileCounts t = count_tiles_impl(counts_in, local_chunk, bm, bn, hidden);
+  const Problem p = make_problem_impl(g, t.remote, t.local, t.remote_rows, hidden, elem, ffn,
+                                      bk, alpha, beta, o_p, o_ref, b_link, b_cta);
+  int64_t k, end;
+  if (override_k != 0) {
+    k = override_k;
+    end = gemm_end(k, p.g, p.tr, p.tl, p.tau, p.c_link, p.c_cta);
+  } else {
+    const auto r = solve_unchecked(p);
+    k = r.first;
+    end = r.second;
+  }
+  int64_t terms[3] = {0, 0, end};
+  if (p.tr && k >= 1) {
+    terms[0] = remote_tile(p, k);
+    terms[1] = remote_bound(p, k);
+    terms[2] = wave_bound(p, k);
+  }
+  py::object mode = py::none();
+  if (!routed.is_none()) {
+    mode = mode_times(py::array(routed), tp, ep, topk, hidden, elem, mode_g, mode_tau, bm, bn,
+                      b_link, b_hbm);
+  }
+  return py::make_tuple(k, end, p.tr, p.tl, p.tau, terms[0], terms[1], terms[2], mode);
+}
+
 PYBIND11_MODULE(_solver, m) {
   m.doc() = "C++ solver of the wave-quantized resource model (see resource/model.py)";
   m.def("ctas_per_sm", &ctas_per_sm, py::arg("registers_per_thread"), py::arg("shared_bytes"),
@@ -448,6 +501,13 @@ PYBIND11_MODULE(_solver, m) {
         py::arg("ep_size"), py::arg("topk"), py::arg("hidden"), py::arg("elem_bytes"),
         py::arg("num_ctas"), py::arg("tile_ps"), py::arg("bm"), py::arg("bn"),
         py::arg("link_bandwidth_gbps"), py::arg("hbm_bandwidth_gbps"));
+  m.def("plan_call", &plan_call, py::arg("rows_per_expert_per_chunk"), py::arg("local_chunk"),
+        py::arg("bm"), py::arg("bn"), py::arg("bk"), py::arg("hidden"), py::arg("elem_bytes"),
+        py::arg("ffn"), py::arg("num_ctas"), py::arg("alpha_us"), py::arg("beta_us"),
+        py::arg("ctas_per_sm"), py::arg("calibrated_ctas_per_sm"),
+        py::arg("link_bandwidth_gbps"), py::arg("cta_bandwidth_gbps"), py::arg("override_k"),
+        py::arg("routed_counts"), py::arg("tp_size"), py::arg("ep_size"), py::arg("topk"),
+        py::arg("mode_num_ctas"), py::arg("mode_tile_ps"), py::arg("hbm_bandwidth_gbps"));
   m.def("bench_solve", &bench_solve, py::arg("g"), py::arg("tr"), py::arg("tl"),
         py::arg("tau"), py::arg("c_link"), py::arg("c_cta"), py::arg("iters"));
 }

@@ -17,6 +17,11 @@ for rank 0 of an EP group with uniform routing (`bench.workloads`):
   plan (auto)          the same, with the combine-mode choice (the dispatcher's default)
   direct_layout        the segments, arrivals and finalize bases (C++ where built)
   host tile list       `expand_tiles` + `wave_order` (MEGATRON_OVERLAP_TILE_LIST=host)
+  tables (steps)       a direct call's host tables as `_Call` builds them with
+                       MEGATRON_OVERLAP_HOST_TABLES=steps: `direct_layout`, the running
+                       totals, the copies into the staging buffer, the call's sizes
+  tables (fused)       the same with the default "fused": one `_layout.direct_tables`
+                       call writes them into the staging buffer (C++ extension only)
 
 Use it to compare a change of these steps before and after it on one machine (the numbers
 are this CPU's, not the GPU host's). `--out` appends one JSON row per step.
@@ -123,13 +128,52 @@ def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
             table = table[wave_order(layout.num_remote, layout.num_local, grid, 16)]
         return table
 
-    return {
+    def tables(fused):
+        """`_Call`'s table step on a bare call object (its `_init_common` fields) and a
+        workspace with room, one staging slot reused (as on the GPU)."""
+        import torch
+
+        from megatron_overlap.ops import triton_gemm2_gatherrs as op
+        from megatron_overlap.resource import Plan
+        from megatron_overlap.symm import GatherRSWorkspace
+
+        ws = GatherRSWorkspace(None, hidden=1, dtype=torch.bfloat16, device="cpu")
+        ws.ensure_capacity(int(layout.recv_rows.max(initial=0)))  # no growth while timed
+        ws.expected_arrivals = np.zeros(ep, dtype=np.int64)
+        ws.num_ranks = ep
+        call = object.__new__(op._Call)
+        call._init_common(m, ws, Plan(num_comm_ctas=16, num_ctas=grid, source="model"),
+                          hidden, torch.bfloat16, "cpu", 30.0, DEFAULT_TILE)
+        slot = op._StagingSlot()
+
+        def take(ws, device, tables, scratch, stream=None):
+            slot.fit(device, tables, scratch)
+            return slot, False
+
+        def run():
+            real, op._StagingSlot.take = op._StagingSlot.take, take
+            try:
+                if fused:
+                    call._fused_tables(m, ws, None)
+                else:
+                    call._step_tables(m, ws, None, "device", 0)
+            finally:
+                op._StagingSlot.take = real
+        return run
+
+    todo = {
         "triton_metadata": meta,
         "plan (direct)": plan(False),
         "plan (auto)": plan("auto"),
         "direct_layout": lambda: direct_layout(m, hidden, bm, bn),
         "host tile list": tile_list,
+        "tables (steps)": tables(False),
     }
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _layout_cpp
+
+    if _layout_cpp is not None:
+        todo["tables (fused)"] = tables(True)
+    return todo
 
 
 def main(argv=None) -> int:

@@ -249,7 +249,8 @@ class RunConfig:
 
 ALT_ENV_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
                      "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_FC1_CHUNK_MB",
-                     "MEGATRON_OVERLAP_SOLVER", "MEGATRON_OVERLAP_HW_PROFILE")
+                     "MEGATRON_OVERLAP_SOLVER", "MEGATRON_OVERLAP_HW_PROFILE",
+                     "MEGATRON_OVERLAP_HOST_TABLES")
 """The variables `--alt-env` takes: those of the fused path, each read per call
 (`megatron_overlap.config.check_environment` checks their values)."""
 

@@ -33,6 +33,13 @@ TMA_STORE_ENV = "MEGATRON_OVERLAP_TMA_STORE"
 through a TMA descriptor per tile, asynchronous (`TileConfig.tma_store`), "0" from
 registers."""
 
+HOST_TABLES_ENV = "MEGATRON_OVERLAP_HOST_TABLES"
+"""How a direct call's host tables (segments, finalize bases, arrival targets) reach its
+staging buffer (`host_tables_mode`): "fused" (default where the C++ extension is built: one
+call of `ops._layout.direct_tables` writes them straight into the pinned buffer) or "steps"
+(`direct_layout`'s arrays, then numpy copies into the buffer: the path before v5.4, kept
+for comparison)."""
+
 FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
 """The grouped FC1's chunk of rows, in MiB of [rows, F] (`fc1_chunk_bytes`)."""
 
@@ -46,7 +53,8 @@ def check_environment() -> None:
     where the user can act on it (the dispatcher's construction, a launcher's argument
     check) instead of at the first GPU launch: `MEGATRON_OVERLAP_TILE_LIST`,
     `MEGATRON_OVERLAP_TMA_STORE`, `MEGATRON_OVERLAP_FAST_LAUNCH`,
-    `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FC1_CHUNK_MB`.
+    `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FC1_CHUNK_MB`,
+    `MEGATRON_OVERLAP_HOST_TABLES`.
 
     Raises:
         ValueError: a bad value (the message names the variable and what it accepts).
@@ -57,6 +65,7 @@ def check_environment() -> None:
     from megatron_overlap.resource.solver import implementation
 
     tile_list_source()
+    host_tables_mode()
     tma_store_enabled()
     fast_launch_enabled()
     load_profile()
@@ -103,6 +112,21 @@ def tile_list_source() -> str:
     value = os.environ.get(TILE_LIST_ENV, "device") or "device"
     if value not in ("device", "host"):
         raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'device' or 'host'")
+    return value
+
+
+def host_tables_mode() -> str:
+    """$MEGATRON_OVERLAP_HOST_TABLES, "fused" when unset or empty (where the C++ layout
+    extension is not built, the Triton call takes "steps" whatever this says).
+
+    Raises:
+        ValueError: any other value than "fused" or "steps".
+    """
+    value = os.environ.get(HOST_TABLES_ENV, "")
+    if value in ("", "fused"):
+        return "fused"
+    if value != "steps":
+        raise ValueError(f"{HOST_TABLES_ENV}={value!r}: expected 'fused' or 'steps'")
     return value
 
 

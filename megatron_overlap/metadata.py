@@ -52,34 +52,64 @@ def _chunk_groups(tp_size: int, ep_size: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _chunk_take_index(tp_size: int, ep_size: int, ep_rank: int, num_local: int,
+                      columns: int) -> np.ndarray:
+    """int64 [L * R] (read-only): the flat positions in a C-contiguous [R, columns] counts
+    array of `rows_per_expert_per_chunk` [L, R] (chunk c's rows of local expert l are
+    group rank chunk_to_group_rank(c)'s tokens of expert ep_rank * L + l)."""
+    groups = _chunk_groups(tp_size, ep_size)
+    experts = ep_rank * num_local + np.arange(num_local, dtype=np.int64)
+    out = (groups[None, :] * columns + experts[:, None]).reshape(-1)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(n: int) -> np.ndarray:
+    """A read-only int64 [n] array of zeros (the Triton-only metadata's slot fields)."""
+    out = np.zeros(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
 def triton_metadata(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: int,
-                    ep_rank: int, topk: int, routing_map: torch.Tensor) -> GatherRSMetadata:
+                    ep_rank: int, topk: int, routing_map: torch.Tensor,
+                    copy: bool = True) -> GatherRSMetadata:
     """Triton-only metadata (no slots): what `build_metadata(row_slot=None,
     validate=False)` returns, without its argument checks.
 
     For callers that made `counts` themselves from this very `routing_map` (the Megatron
     dispatcher, once per forward on the host's critical path); everyone else calls
-    `build_metadata`, which checks the arguments and then calls this.
+    `build_metadata`, which checks the arguments and then calls this. Each numpy operation
+    here costs tens of microseconds on a forward's cold host (docs/perf_notes.md v5.4), so
+    there are few: the four slot fields share one read-only zeros array, and
+    `rows_per_expert_per_chunk` is one `take` of cached positions.
 
     Args:
         counts: [R, >= E] int64 host array, group order: every rank's tokens per expert
             (columns past E, e.g. `build_metadata`'s slot columns, are ignored).
         tp_size, tp_rank, ep_size, ep_rank, topk: as `build_metadata`.
         routing_map: [T, E] bool device tensor, this rank's.
+        copy: False hands `counts` over when it is a C-contiguous int64 [R, E] array (the
+            metadata's `routed_counts` is then that array: the caller must not change it
+            afterwards); True (default) copies it.
     """
     group_size = tp_size * ep_size
     num_experts = routing_map.shape[1]
     num_local = num_experts // ep_size
-    local = counts[:, ep_rank * num_local:(ep_rank + 1) * num_local]
-    zeros = np.zeros(group_size, dtype=np.int64)
+    zeros = _zeros(group_size)
+    if (copy or counts.shape[1] != num_experts or counts.dtype != np.int64
+            or not counts.flags.c_contiguous):
+        counts = np.array(counts[:, :num_experts], dtype=np.int64, order="C")  # a copy
+    rows = counts.take(_chunk_take_index(tp_size, ep_size, ep_rank, num_local, num_experts))
     return GatherRSMetadata(
         tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
         num_local_experts=num_local, num_tokens=int(routing_map.shape[0]),
-        rows_per_expert_per_chunk=local[_chunk_groups(tp_size, ep_size)].T.copy(),
-        send_slots=zeros, recv_slots=zeros.copy(), dest_row_offsets=zeros.copy(),
-        recv_rows_per_rank=zeros.copy(), gather_index=None, recv_token_index=None,
-        topk=int(topk), routed_counts=counts[:, :num_experts].copy(),
-        routing_map=routing_map,
+        rows_per_expert_per_chunk=rows.reshape(num_local, group_size),
+        send_slots=zeros, recv_slots=zeros, dest_row_offsets=zeros,
+        recv_rows_per_rank=zeros, gather_index=None, recv_token_index=None,
+        topk=int(topk), routed_counts=counts, routing_map=routing_map,
     )
 
 

@@ -108,6 +108,7 @@ class GatherRSWorkspace:
         self.finalize_ctas = 0  # finalize CTAs launched on this workspace so far
         self._error_event = None
         self.expected_arrivals = np.zeros(self.num_ranks, dtype=np.int64)
+        self._spare_arrivals = None  # `spare_arrivals`
         self._recv = None
         self._recv_handle = None
         self.peer_recv_ptrs: Optional[torch.Tensor] = None
@@ -228,6 +229,32 @@ class GatherRSWorkspace:
                              f"{self.expected_arrivals.shape} (one per rank of the group)")
         self.expected_arrivals = self.expected_arrivals + arrivals
         return self.expected_arrivals
+
+    def spare_arrivals(self) -> np.ndarray:
+        """An int64 [R] array for a call to write the new running totals into (its targets:
+        the totals plus its arrivals, `ops._layout.direct_tables`), then hand to
+        `take_arrivals`. It is the array the totals were held in before the last
+        `take_arrivals`, reused: `expected_arrivals` is replaced by every call, and its old
+        array may be overwritten two calls later (copy it to keep it)."""
+        spare = self._spare_arrivals
+        if (spare is None or spare.shape != self.expected_arrivals.shape
+                or spare is self.expected_arrivals):
+            spare = self._spare_arrivals = np.empty_like(self.expected_arrivals)
+        return spare
+
+    def take_arrivals(self, totals: np.ndarray) -> None:
+        """Make `totals` (the array `spare_arrivals` returned, filled with this call's new
+        running totals) the running totals: what `add_expected_arrivals` does, without an
+        array operation.
+
+        Raises:
+            ValueError: `totals` is not the array `spare_arrivals` returned.
+            RuntimeError: the workspace was destroyed.
+        """
+        self._check_alive()
+        if totals is not self._spare_arrivals:
+            raise ValueError("take_arrivals takes the array spare_arrivals returned")
+        self._spare_arrivals, self.expected_arrivals = self.expected_arrivals, totals
 
     def add_finalize_ctas(self, num_ctas: int) -> int:
         """Count one finalize launch of `num_ctas` CTAs; returns the running total (the value

@@ -251,7 +251,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return triton_metadata(
                 self._counts, tp_size=self.tp_size, tp_rank=self.tp_rank,
                 ep_size=self.ep_size, ep_rank=self.ep_rank, topk=self.config.moe_router_topk,
-                routing_map=self.routing_map)
+                routing_map=self.routing_map, copy=False)  # _counts: this forward's own copy
         return build_metadata(
             counts=self._counts,
             row_slot=row_slot,

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import triton
 
 from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
-from megatron_overlap.config import tma_store_enabled
+from megatron_overlap.config import host_tables_mode, tma_store_enabled
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.kernels.launch import FastLauncher
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
@@ -562,6 +562,11 @@ class _StagingSlot:
             self.views = (self.dev[:r2].view(torch.int64), self.dev[r2: r2 + n_base],
                           self.dev[r2 + n_base: need].view(-1, k.TILE_FIELDS))
             self.tables = tables
+        self.fit_scratch(device, scratch_size)
+
+    def fit_scratch(self, device, scratch_size: int) -> None:
+        """Room for `scratch_size` int32 of device scratch (reallocated only when too
+        small, with 1/8 headroom)."""
         if self.scratch is None or self.scratch.numel() < scratch_size:
             with torch.inference_mode(False):
                 self.scratch = torch.empty(max(scratch_size, 1) * 9 // 8 + 1024,
@@ -669,70 +674,43 @@ class _Call:
                  tile: Optional[TileConfig] = None) -> None:
         self._init_common(meta, ws, plan, hidden, dtype, device, timeout_s, tile)
         device = self.device
-        with span("mo.direct_layout"):
-            lay = self.layout = direct_layout(meta, hidden, self.tile.bm, self.tile.bn)
-            self.num_remote, self.num_local = lay.num_remote, lay.num_local
-            self.num_rows = int(lay.segments[:, 2].sum()) if len(lay.segments) else 0
-            tile_list = tile_list_source()
-            # Wave order: each wave of `grid` entries holds kc remote-bound tiles (`wave_order`).
-            waves = (self.tile.static and self.num_remote > 0 and self.num_local > 0
-                     and self.grid >= 2)
-            kc = min(max(self.num_comm, 1), self.grid - 1) if waves else 1
-            if waves and (self.num_remote + self.num_local) * self.grid >= 2**31:
-                tile_list = "host"  # the kernel's wave positions are int32 products
-            if tile_list == "host":
-                table = expand_tiles(lay)
-                if waves:
-                    table = table[wave_order(self.num_remote, self.num_local, self.grid, kc)]
-            else:
-                table = lay.segments
-        ws.ensure_capacity(int(lay.recv_rows.max(initial=0)))
-        self.epoch = ws.next_epoch()
-        # A remote destination's buffer is free for this call once its finalize of every
-        # earlier call on the workspace has run.
-        self.freed_target = self.epoch - 1
-        targets = ws.add_expected_arrivals(lay.arrivals)
-        num_tiles = self.num_remote + self.num_local
-        rmap = meta.routing_map.view(torch.uint8)
-        num_experts = rmap.shape[1]
+        tile_list = tile_list_source()
+        num_experts = meta.routing_map.shape[1]
         im = self._index_meta
         kmax, bt, ep2, warps = im["K"], im["BT"], im["EP2"], im["num_warps"]
         nb = -(-meta.num_tokens // bt)  # token blocks of the finalize index
         # Device scratch: the index, the per-block token counts, the tile list, each part
         # starting 16-byte aligned (`_align4`, `_StagingSlot.scratch_parts`).
-        n_tiles = 0 if tile_list == "host" else num_tiles * k.TILE_FIELDS
         n_counts = nb * num_experts
         index_shape = (meta.num_tokens, kmax * meta.tp_size)
-        sizes = (_align4(index_shape[0] * index_shape[1]), _align4(n_counts), n_tiles)
-        r2, n_base = 2 * meta.group_size, lay.finalize_base.size
-        tables = (r2, n_base, table.size)
+        n_index = _align4(index_shape[0] * index_shape[1])
+        stream = torch.cuda.current_stream(device) if self.gpu else None
+        if (tile_list == "device" and _layout_cpp is not None
+                and meta.routed_counts is not None and host_tables_mode() == "fused"):
+            slot = self._fused_tables(meta, ws, stream)
+        else:
+            slot = self._step_tables(meta, ws, stream, tile_list, n_index + _align4(n_counts))
+        num_tiles = self.num_remote + self.num_local
+        tile_list, waves, kc = self._tile_list, self._waves, self._kc
+        if tile_list != "host":
+            slot.fit_scratch(device, n_index + _align4(n_counts) + num_tiles * k.TILE_FIELDS)
+        rmap = meta.routing_map.view(torch.uint8)
         with span("mo.h2d"):
-            # One pinned buffer, one copy: targets (int64 as int32 pairs), finalize bases, and
-            # the segments (or, with the host tile list, the tiles); the buffers of a free
-            # staging slot of the workspace when there is one (`_StagingSlot`).
-            # (else a slot of this call's own, not kept by the workspace)
-            stream = torch.cuda.current_stream(device) if self.gpu else None
-            slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes), stream)
-            self._slot = slot if kept else None
-            buf = slot.host_np
-            buf[:r2] = targets.astype(np.int64).view(np.int32)
-            buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
-            buf[r2 + n_base:] = table.reshape(-1)
             slot.copy_in(device, stream)
             self.targets, self.finalize_base, table = slot.views
+            self._table = table  # the segments (or the host tile list) as uploaded
         with span("mo.prepare_kernels"):
-            self.index, block_counts, tiles = slot.scratch_parts(sizes[0], n_counts,
-                                                                 index_shape)
+            self.index, block_counts, tiles = slot.scratch_parts(n_index, n_counts, index_shape)
             # the tile list the kernels read (device: the open-ended rest of the scratch)
             self._tiles_arg = table if tile_list == "host" else tiles
             tile_blocks = 0 if tile_list == "host" else _cdiv(num_tiles, TILE_LIST_BLOCK)
             if tile_blocks + nb:
                 # Tile list and block counts (independent) in one launch; the GEMM2 builds
                 # the index from the counts.
-                segs = len(lay.segments)
+                segs = self._num_segments
                 _prepare(
                     (tile_blocks + nb,), table, self._tiles_arg, segs, self.num_remote,
-                    self.num_local, self.grid, kc, lay.col_blocks, max(1, segs.bit_length()),
+                    self.num_local, self.grid, kc, self._col_blocks, max(1, segs.bit_length()),
                     tile_blocks, rmap, block_counts, meta.num_tokens, num_experts,
                     BM=self.tile.bm, BN=self.tile.bn, WAVES=waves, BLOCK=TILE_LIST_BLOCK,
                     EP2=ep2, BT=bt, num_warps=warps)
@@ -749,13 +727,109 @@ class _Call:
         # [T, H], allocated by the first finalize: by then a caller that let go of h (`send`'s
         # keep_operands) has freed h, whose memory the output can take.
         self.out = None
-        # The finalize reads rows from `split` on from the local buffer (`send` allocates it:
-        # this rank's own rows, which stay out of the symmetric receive buffer).
-        self.split = int(lay.recv_rows[self.rank])
         self.local = None
         self.h = self.w2 = None
         self.sent = False
         self._finalized = False
+
+    def _wave_plan(self, tile_list: str) -> str:
+        """Sets `_waves` and `_kc` (the static schedule's wave order: each wave of `grid`
+        entries holds kc remote-bound tiles, `wave_order`) from the tile counts; returns the
+        tile list's source, "host" where the kernel's int32 wave positions would overflow."""
+        self._waves = waves = (self.tile.static and self.num_remote > 0 and self.num_local > 0
+                               and self.grid >= 2)
+        self._kc = min(max(self.num_comm, 1), self.grid - 1) if waves else 1
+        if waves and (self.num_remote + self.num_local) * self.grid >= 2**31:
+            return "host"  # the kernel's wave positions are int32 products
+        return tile_list
+
+    def _fused_tables(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, stream):
+        """The host tables of the device tile list, written by one C++ call
+        (`_layout.direct_tables`) into a staging slot's pinned buffer; takes the call's epoch
+        and arrival targets. Returns the slot. Falls back to `_step_tables` where the wave
+        positions overflow int32 (the host tile list then)."""
+        group, num_experts = meta.group_size, meta.routed_counts.shape[1]
+        n_seg = group * meta.num_local_experts
+        tables = (2 * group, meta.tp_size * num_experts, n_seg * k.SEGMENT_FIELDS)
+        with span("mo.direct_layout"):
+            slot, kept = _StagingSlot.take(ws, self.device, tables, 0, stream)
+            self._slot = slot if kept else None
+            nxt = ws.spare_arrivals()
+            (self.num_remote, self.num_local, self._col_blocks, self._local_rows, self.split,
+             recv_max, self.num_rows, _) = _layout_cpp.direct_tables(
+                meta.routed_counts, meta.tp_size, meta.ep_size, meta.tp_rank, meta.ep_rank,
+                self.hidden, self.tile.bm, self.tile.bn, ws.expected_arrivals, nxt,
+                slot.host_np)
+            self._num_segments = n_seg
+            self._layout = None  # `layout` computes it where asked
+            self._tile_list = self._wave_plan("device")
+        if self._tile_list == "host":  # (the slot goes back with this call, unused)
+            return self._step_tables(meta, ws, stream, "host", 0)
+        ws.ensure_capacity(recv_max)
+        self.epoch = ws.next_epoch()
+        # A remote destination's buffer is free for this call once its finalize of every
+        # earlier call on the workspace has run.
+        self.freed_target = self.epoch - 1
+        ws.take_arrivals(nxt)  # the totals written as this call's targets
+        return slot
+
+    def _step_tables(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, stream,
+                     tile_list: str, scratch_head: int):
+        """The host tables step by step (`direct_layout`'s arrays, then numpy copies into a
+        staging slot's pinned buffer; every tile on the host with the host tile list); takes
+        the call's epoch and arrival targets. Returns the slot."""
+        with span("mo.direct_layout"):
+            lay = self._layout = direct_layout(meta, self.hidden, self.tile.bm, self.tile.bn)
+            self.num_remote, self.num_local = lay.num_remote, lay.num_local
+            self.num_rows = int(lay.segments[:, 2].sum()) if len(lay.segments) else 0
+            self._col_blocks, self._local_rows = lay.col_blocks, lay.local_rows
+            self._num_segments = len(lay.segments)
+            # The finalize reads rows from `split` on from the local buffer (`send`
+            # allocates it: this rank's own rows, which stay out of the symmetric receive
+            # buffer).
+            self.split = int(lay.recv_rows[self.rank])
+            tile_list = self._tile_list = self._wave_plan(tile_list)
+            if tile_list == "host":
+                table = expand_tiles(lay)
+                if self._waves:
+                    table = table[wave_order(self.num_remote, self.num_local, self.grid,
+                                             self._kc)]
+            else:
+                table = lay.segments
+        ws.ensure_capacity(int(lay.recv_rows.max(initial=0)))
+        self.epoch = ws.next_epoch()
+        # A remote destination's buffer is free for this call once its finalize of every
+        # earlier call on the workspace has run.
+        self.freed_target = self.epoch - 1
+        targets = ws.add_expected_arrivals(lay.arrivals)
+        r2, n_base = 2 * meta.group_size, lay.finalize_base.size
+        tables = (r2, n_base, table.size)
+        with span("mo.h2d"):
+            # One pinned buffer: targets (int64 as int32 pairs), finalize bases, and the
+            # segments (or, with the host tile list, the tiles); the buffers of a free
+            # staging slot of the workspace when there is one (`_StagingSlot`), else a slot
+            # of this call's own, not kept by the workspace.
+            slot, kept = _StagingSlot.take(ws, self.device, tables, scratch_head, stream)
+            if self.__dict__.get("_slot") is not None:  # a fused attempt's: unused
+                self._slot.busy = False
+            self._slot = slot if kept else None
+            buf = slot.host_np
+            buf[:r2] = targets.astype(np.int64).view(np.int32)
+            buf[r2: r2 + n_base] = lay.finalize_base.reshape(-1)
+            buf[r2 + n_base:] = table.reshape(-1)
+        return slot
+
+    @property
+    def layout(self) -> DirectLayout:
+        """The call's `DirectLayout` (computed here where the fused C++ path filled the
+        tables without one)."""
+        if self._layout is None:
+            self._layout = direct_layout(self.meta, self.hidden, self.tile.bm, self.tile.bn)
+        return self._layout
+
+    @layout.setter
+    def layout(self, value: DirectLayout) -> None:
+        self._layout, self._local_rows = value, value.local_rows
 
     @property
     def tiles(self) -> torch.Tensor:
@@ -857,7 +931,7 @@ class _Call:
         the call is sent, on the current stream, and freed with the call: it is transient
         memory like Megatron's FC2 output, where the symmetric receive buffer is held for
         the whole run."""
-        self.local = torch.empty(max(1, self.layout.local_rows), self.hidden, dtype=self.dtype,
+        self.local = torch.empty(max(1, self._local_rows), self.hidden, dtype=self.dtype,
                                  device=self.device)
 
     def gemm_only(self, grid: Optional[int] = None) -> None:
@@ -876,7 +950,7 @@ class _Call:
         # call's output reads it): every tile is this rank's now, stored at its row in its
         # destination's buffer, so the scratch has the rows of the larger of the two.
         if getattr(self, "_scratch", None) is None:
-            rows = max(self.ws.capacity_rows, self.layout.local_rows, 1)
+            rows = max(self.ws.capacity_rows, self._local_rows, 1)
             self._scratch = torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
         self._launch(tiles, grid or self.grid, num_remote=0,
                      num_local=self.num_remote + self.num_local, local=self._scratch,

@@ -25,7 +25,7 @@ from typing import Optional, Tuple, Union
 from megatron_overlap.config import SOLVER_ENV, GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
 from megatron_overlap.resource import model as _model
-from megatron_overlap.resource.mode import ModeChoice, choose_mode
+from megatron_overlap.resource.mode import ModeChoice, mode_choice
 from megatron_overlap.resource.profile import PROFILE_ENV, HardwareProfile, load_profile
 
 __all__ = [
@@ -310,19 +310,6 @@ def plan_gemm2_gatherrs(
     bm, bn, bk = tile
     tile_time = prof.tile_time(bm, bn, bk, tma_store)
     local_chunk = meta.tp_rank * meta.ep_size + meta.ep_rank  # chunk order c = tp * EP + ep
-    remote_tiles, local_tiles, remote_rows = impl.count_tiles(
-        meta.rows_per_expert_per_chunk, local_chunk, bm, bn, hidden)
-    problem = impl.make_problem(
-        grid, remote_tiles, local_tiles, remote_rows, hidden, elem_bytes, ffn, bk,
-        tile_time.alpha_us, tile_time.beta_us, o_p, tile_time.ctas_per_sm,
-        prof.link_bandwidth_gbps, prof.cta_bandwidth_gbps)
-    if override is not None:
-        k, source = override, "override"
-        gemm_ps = impl.gemm_end_ps(k, *problem)
-    else:
-        k, gemm_ps = impl.solve(*problem)
-        source = "model" if remote_tiles else "no-remote"
-
     if recv_rows is None:
         recv_rows = int(meta.rows_per_expert_per_chunk.sum())
     elif type(recv_rows) is int and recv_rows >= 0:
@@ -331,37 +318,40 @@ def plan_gemm2_gatherrs(
         raise TypeError(f"recv_rows={recv_rows!r}: expected an int")
     elif recv_rows < 0:
         raise ValueError(f"recv_rows={recv_rows}: expected >= 0")
+    # The mode model's inputs, only those every rank has alike: the group-wide counts, the
+    # shapes, the profile and the SM count (the group's GPUs are alike), and the profile's
+    # calibrated CTAs per SM and tile time, not this process's compiled-kernel occupancy
+    # (o_p, known only after its first launch, which a rank without tiles may not have had).
+    auto = (options.prereduce == "auto" and meta.group_size > 1
+            and meta.routed_counts is not None and meta.topk)
+    ref_ctas = tile_time.ctas_per_sm
+    tau_ref_ps = max(1, _model._ps(
+        (tile_time.alpha_us + tile_time.beta_us * float(-(-ffn // bk))) * 1e6)) if auto else 1
+    # One crossing of the solver's binding: tiles, problem, k, the breakdown's terms, and
+    # the two modes' times where the mode is chosen.
+    (k, gemm_ps, remote_tiles, local_tiles, tau_ps, remote_tile_ps, remote_bound_ps,
+     wave_bound_ps, times) = impl.plan_call(
+        meta.rows_per_expert_per_chunk, local_chunk, bm, bn, bk, hidden, elem_bytes, ffn, grid,
+        tile_time.alpha_us, tile_time.beta_us, o_p, tile_time.ctas_per_sm,
+        prof.link_bandwidth_gbps, prof.cta_bandwidth_gbps, 0 if override is None else override,
+        meta.routed_counts if auto else None, meta.tp_size, meta.ep_size, meta.topk or 1,
+        num_sms * ref_ctas, tau_ref_ps, prof.hbm_bandwidth_gbps)
+    source = "override" if override is not None else "model" if remote_tiles else "no-remote"
     us = 1.0 / _model.PS_PER_US
     finalize_us = ((recv_rows + meta.num_tokens) * hidden * elem_bytes
                    / (prof.hbm_bandwidth_gbps * 1e3))
     latency_us = prof.store_latency_us if remote_tiles else 0.0
     gemm_us = gemm_ps * us
-    if remote_tiles and k >= 1:
-        terms = (_model.remote_tile_ps(k, *problem) * us, _model.remote_bound_ps(k, *problem) * us,
-                 _model.wave_bound_ps(k, *problem) * us)
-    else:
-        terms = (0.0, 0.0, gemm_us)
     breakdown = PlanBreakdown(
         remote_tiles=remote_tiles, local_tiles=local_tiles, ctas_per_sm=o_p,
-        tile_us=problem[3] * us, remote_tile_us=terms[0], remote_bound_us=terms[1],
-        wave_bound_us=terms[2], gemm_us=gemm_us, store_latency_us=latency_us,
-        finalize_us=finalize_us, launch_us=prof.launch_overhead_us)
+        tile_us=tau_ps * us, remote_tile_us=remote_tile_ps * us,
+        remote_bound_us=remote_bound_ps * us, wave_bound_us=wave_bound_ps * us,
+        gemm_us=gemm_us, store_latency_us=latency_us, finalize_us=finalize_us,
+        launch_us=prof.launch_overhead_us)
     predicted = gemm_us + latency_us + finalize_us + prof.launch_overhead_us
     mode, choice = fixed_mode, None
-    if (options.prereduce == "auto" and meta.group_size > 1 and meta.routed_counts is not None
-            and meta.topk):
-        # Only inputs every rank has alike: the group-wide counts, the shapes, the profile
-        # and the SM count (the group's GPUs are alike), and the profile's calibrated CTAs
-        # per SM and tile time, not this process's compiled-kernel occupancy (o_p, known
-        # only after its first launch, which a rank without tiles may not have had).
-        ref_ctas = tile_time.ctas_per_sm
-        tau_ref_ps = max(1, _model._ps(
-            (tile_time.alpha_us + tile_time.beta_us * float(-(-ffn // bk))) * 1e6))
-        choice = choose_mode(
-            meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size, topk=meta.topk,
-            hidden=hidden, elem_bytes=elem_bytes, grid=num_sms * ref_ctas, tile_ps=tau_ref_ps,
-            tile=tile, link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps,
-            solver=solver, prereduce_host_us=prof.prereduce_host_us)
+    if times is not None:
+        choice = mode_choice(times, meta.group_size, prof.prereduce_host_us)
         mode = choice.mode
     return Plan(num_comm_ctas=k, num_ctas=grid, source=source, predicted_us=predicted,
                 breakdown=breakdown, mode=mode, mode_choice=choice)

@@ -99,11 +99,21 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
 
     _check_float("prereduce_host_us", prereduce_host_us, positive=False)  # the profile's rule
 
-    direct, pre, slow_d, slow_p = implementation(solver).mode_times(
+    times = implementation(solver).mode_times(
         routed_counts, tp_size, ep_size, topk, hidden, elem_bytes, grid, tile_ps, tile[0],
         tile[1], link_gbps, hbm_gbps)
+    return mode_choice(times, tp_size * ep_size, prereduce_host_us)
+
+
+def mode_choice(times: Tuple[float, float, int, int], group_size: int,
+                prereduce_host_us: float) -> ModeChoice:
+    """The `ModeChoice` of `mode_times`' result (direct_us, prereduce_us, slowest direct
+    rank, slowest pre-reduced rank) for a group of `group_size` ranks: "prereduce" only
+    where prereduce_us + prereduce_host_us < direct_us (the host time checked by the caller:
+    `choose_mode`, or the profile's loader); "direct" on ties and with one rank."""
+    direct, pre, slow_d, slow_p = times
     host = float(prereduce_host_us)
-    if tp_size * ep_size == 1:
+    if group_size == 1:
         return ModeChoice("direct", direct, pre, 0, host)
     if pre + host < direct:
         return ModeChoice("prereduce", direct, pre, int(slow_p), host)

@@ -296,6 +296,43 @@ def solve_batch(problems) -> np.ndarray:
     return out
 
 
+def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk: int,
+              hidden: int, elem_bytes: int, ffn: int, num_ctas: int, alpha_us: float,
+              beta_us: float, ctas_per_sm: int, calibrated_ctas_per_sm: int,
+              link_bandwidth_gbps: float, cta_bandwidth_gbps: float, override_k: int,
+              routed_counts, tp_size: int, ep_size: int, topk: int, mode_num_ctas: int,
+              mode_tile_ps: int, hbm_bandwidth_gbps: float) -> tuple:
+    """One plan's model in one call (what `plan_gemm2_gatherrs` asks; the C++ solver has
+    the same function, one crossing of the binding instead of four): `count_tiles`,
+    `make_problem`, `solve` (or `gemm_end_ps` at `override_k` when it is not 0), the
+    breakdown's terms at the chosen k and, where `routed_counts` is not None, `mode_times`
+    with (`mode_num_ctas`, `mode_tile_ps`).
+
+    Returns:
+        (k, E(k) ps, T_r, T_l, tau ps, tau_r(k) ps, R(k) ps, W(k) ps, mode_times' tuple or
+        None); without remote tiles the three terms are (0, 0, E).
+
+    Raises:
+        ValueError / TypeError: as the functions it calls.
+    """
+    tr, tl, rows = count_tiles(rows_per_expert_per_chunk, local_chunk, bm, bn, hidden)
+    p = make_problem(num_ctas, tr, tl, rows, hidden, elem_bytes, ffn, bk, alpha_us, beta_us,
+                     ctas_per_sm, calibrated_ctas_per_sm, link_bandwidth_gbps,
+                     cta_bandwidth_gbps)
+    if override_k != 0:
+        k, end = override_k, gemm_end_ps(override_k, *p)
+    else:
+        k, end = solve(*p)
+    terms = ((remote_tile_ps(k, *p), remote_bound_ps(k, *p), wave_bound_ps(k, *p))
+             if p[1] and k >= 1 else (0, 0, end))
+    mode = None
+    if routed_counts is not None:
+        mode = mode_times(routed_counts, tp_size, ep_size, topk, hidden, elem_bytes,
+                          mode_num_ctas, mode_tile_ps, bm, bn, link_bandwidth_gbps,
+                          hbm_bandwidth_gbps)
+    return (k, end, tr, tl, p[3]) + terms + (mode,)
+
+
 # ---- the combine mode (resource.mode) -------------------------------------------------------
 
 def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int,

@@ -130,3 +130,63 @@ def test_numpy_fallback(monkeypatch):
     expected = cpp_layout(meta, 200, 16, 128)
     monkeypatch.setattr(op, "_layout_cpp", None)  # as on a machine without the build
     assert_same(op.direct_layout(meta, 200, 16, 128), expected)
+
+
+def tables_of(meta, hidden, bm, bn, expected, pad=3):
+    """`direct_tables` of `meta` into a fresh buffer (poisoned, with `pad` spare elements);
+    returns (result, buffer, next_expected)."""
+    r, e = meta.group_size, meta.routed_counts.shape[1]
+    need = 2 * r + meta.tp_size * e + r * meta.num_local_experts * 6
+    out = np.full(need + pad, -7, np.int32)
+    nxt = np.full(r, -1, np.int64)
+    result = cpp.direct_tables(meta.routed_counts, meta.tp_size, meta.ep_size, meta.tp_rank,
+                               meta.ep_rank, hidden, bm, bn, expected, nxt, out)
+    return result, out, nxt
+
+
+@pytest.mark.parametrize("tp,ep", LAYOUTS)
+def test_direct_tables_match_the_layout(tp, ep):
+    """The fused tables (what `_Call` uploads) hold the twin's values: targets = running
+    totals + arrivals, finalize bases, segments, in that order; nothing past them written."""
+    rng = np.random.default_rng(7 * tp + ep)
+    for _ in range(40):
+        meta = random_meta(rng, tp, ep, int(rng.integers(tp * ep)), int(rng.integers(1, 9)))
+        bm, bn = TILES[rng.integers(len(TILES))]
+        hidden = int(rng.choice([bn, 4 * bn, int(rng.integers(1, 3000))]))
+        want = op.direct_layout_numpy(meta, hidden, bm, bn)
+        expected = rng.integers(0, 2**40, tp * ep).astype(np.int64)
+        result, out, nxt = tables_of(meta, hidden, bm, bn, expected)
+        r, nb = tp * ep, want.finalize_base.size
+        assert np.array_equal(nxt, expected + want.arrivals)
+        assert np.array_equal(out[:2 * r].view(np.int64), nxt)
+        assert np.array_equal(out[2 * r: 2 * r + nb], want.finalize_base.reshape(-1))
+        assert np.array_equal(out[2 * r + nb: -3], want.segments.reshape(-1))
+        assert (out[-3:] == -7).all()
+        me = meta.ep_rank * tp + meta.tp_rank
+        assert result == (want.num_remote, want.num_local, want.col_blocks, want.local_rows,
+                          int(want.recv_rows[me]), int(want.recv_rows.max()),
+                          int(want.segments[:, 2].sum()), want.num_pairs)
+
+
+def test_direct_tables_bad_input():
+    meta = make_meta(np.ones((4, 8), np.int64), 2, 2, 1)
+    good = dict(routed=meta.routed_counts, tp_size=2, ep_size=2, tp_rank=1, ep_rank=0,
+                hidden=64, bm=16, bn=16, expected=np.zeros(4, np.int64),
+                next_expected=np.zeros(4, np.int64), out=np.zeros(8 + 16 + 96, np.int32))
+    assert cpp.direct_tables(**good)[0] > 0
+    frozen = np.zeros(4, np.int64)
+    frozen.flags.writeable = False
+    for change, match in [
+        ({"routed": np.ones((3, 8), int)}, r"routed must be \[R=4, E\].*\(3, 8\)"),
+        ({"routed": -np.ones((4, 8), int)}, r"routed counts must be in \[0, 2\^31\)"),
+        ({"tp_rank": 2}, r"tp_rank=2 of tp_size=2"),
+        ({"expected": np.zeros(4, np.int32)}, r"expected must be a C-contiguous int64 array "
+                                               r"of shape \(4,\), got dtype int32"),
+        ({"next_expected": np.zeros(3, np.int64)}, r"next_expected must be .* shape \(3,\)"),
+        ({"next_expected": np.zeros(8, np.int64)[::2]}, r"next_expected must be a C-cont"),
+        ({"next_expected": frozen}, r"next_expected must be writeable"),
+        ({"out": np.zeros(119, np.int32)}, r"at least 120 elements.* with 119 elements"),
+        ({"out": np.zeros(120, np.int64)}, r"out must be .*int32.*got dtype int64"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cpp.direct_tables(**{**good, **change})

@@ -295,3 +295,38 @@ def test_error_record_messages():
             ws.check_errors()
         assert text in str(err.value) and "expected >= 3" in str(err.value)
         ws.check_errors()
+
+
+def test_triton_metadata_tables_and_copy():
+    """`triton_metadata`'s cheap form gives the defining tables: rows_per_expert_per_chunk
+    [L, R] is counts of group rank chunk_to_group_rank(c) for local expert l; the slot
+    fields are read-only zeros; `routed_counts` is a copy unless copy=False hands over a
+    C-contiguous int64 [R, E] array (wider or other arrays are copied anyway)."""
+    import numpy as np
+
+    from megatron_overlap.metadata import chunk_to_group_rank, triton_metadata
+
+    rng = np.random.default_rng(9)
+    for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2)):
+        r, num_local = tp * ep, int(rng.integers(1, 6))
+        e = num_local * ep
+        counts = rng.integers(0, 50, size=(r, e + 3)).astype(np.int64)  # 3 extra columns
+        rmap = torch.zeros(7, e, dtype=torch.bool)
+        for rank in range(r):
+            meta = triton_metadata(counts, tp_size=tp, tp_rank=rank % tp, ep_size=ep,
+                                   ep_rank=rank // tp, topk=2, routing_map=rmap, copy=False)
+            want = np.array([[counts[chunk_to_group_rank(c, tp, ep), (rank // tp) * num_local + l]
+                              for c in range(r)] for l in range(num_local)])
+            assert np.array_equal(meta.rows_per_expert_per_chunk, want)
+            assert np.array_equal(meta.routed_counts, counts[:, :e])
+            assert not np.shares_memory(meta.routed_counts, counts)  # wider: copied
+            for name in ("send_slots", "recv_slots", "dest_row_offsets", "recv_rows_per_rank"):
+                field = getattr(meta, name)
+                assert field.shape == (r,) and not field.any() and not field.flags.writeable
+        exact = np.ascontiguousarray(counts[:, :e])
+        kept = triton_metadata(exact, tp_size=tp, tp_rank=0, ep_size=ep, ep_rank=0, topk=2,
+                               routing_map=rmap, copy=False)
+        assert kept.routed_counts is exact
+        copied = triton_metadata(exact, tp_size=tp, tp_rank=0, ep_size=ep, ep_rank=0, topk=2,
+                                 routing_map=rmap)
+        assert not np.shares_memory(copied.routed_counts, exact)

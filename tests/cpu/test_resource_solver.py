@@ -204,3 +204,61 @@ def test_command_line_reports_the_chosen_implementation(monkeypatch, capsys):
     assert solver.main([]) == 0
     want = "cpp" if cpp is not None else "python"
     assert capsys.readouterr().out.startswith(f"implementation: {want}")
+
+
+@needs_cpp
+def test_plan_call_matches_the_twin():
+    """`plan_call` (one crossing of the binding per plan) gives the twin's tuple exactly:
+    tiles, problem, k (chosen or overridden), the breakdown's terms, the two modes'
+    times."""
+    rng = np.random.default_rng(4)
+    for i in range(400):
+        tp, ep = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 2)][i % 6]
+        r, num_local = tp * ep, int(rng.integers(1, 20))
+        routed = rng.integers(0, 900, size=(r, num_local * ep))
+        routed[rng.random(routed.shape) < 0.2] = 0
+        rank = int(rng.integers(r))
+        counts = routed[:, (rank // tp) * num_local:(rank // tp + 1) * num_local].T.copy()
+        g = int(rng.choice([2, 78, 132, 264]))
+        args = (counts, int(rng.integers(r)), 128, int(rng.choice([128, 256])), 64,
+                int(rng.choice([2048, 4096])), 2, int(rng.choice([768, 1408, 14336])), g,
+                float(rng.uniform(1, 10)), float(rng.uniform(0.1, 1)),
+                int(rng.integers(1, 3)), 1, float(rng.uniform(100, 500)),
+                float(rng.uniform(5, 30)), 0 if i % 3 else int(rng.integers(1, g)),
+                routed if i % 2 else None, tp, ep, int(rng.integers(1, 9)), g,
+                int(rng.integers(1, 10**7)), float(rng.uniform(1000, 4800)))
+        want = twin.plan_call(*args)
+        got = cpp.plan_call(*args)
+        assert tuple(got[:8]) == want[:8], (i, got, want)
+        assert (got[8] is None) == (want[8] is None)
+        if want[8] is not None:
+            assert tuple(got[8]) == tuple(want[8]), i
+
+
+@needs_cpp
+def test_whole_plans_with_the_mode_choice_match():
+    """An "auto" plan (routed counts and top-k in the metadata) is the same from the C++
+    solver and the twin, mode choice included."""
+    import dataclasses
+
+    rng = np.random.default_rng(5)
+    profile = dataclasses.replace(load_profile("h200"), prereduce_host_us=0.0)
+    seen = set()
+    for i in range(120):
+        tp, ep = [(1, 2), (2, 1), (2, 2), (1, 4)][i % 4]
+        r, num_local = tp * ep, int(rng.integers(1, 16))
+        routed = rng.integers(0, rng.choice([30, 900, 9000]), size=(r, num_local * ep))
+        rank = int(rng.integers(r))
+        counts = routed[:, (rank // tp) * num_local:(rank // tp + 1) * num_local]
+        meta = _meta(counts[[(c % ep) * tp + c // ep for c in range(r)]].T, tp, ep, rank,
+                     int(routed[rank].sum() // 2 + 1))
+        meta.routed_counts, meta.topk = routed.astype(np.int64), int(rng.choice([2, 8]))
+        # no host time charged to the pre-reduced mode, so that it wins somewhere
+        kw = dict(num_sms=132, hidden=int(rng.choice([2048, 4096])),
+                  ffn=int(rng.choice([768, 1408, 14336])), profile=profile)
+        options = GatherRSOptions(prereduce="auto")
+        a = plan_gemm2_gatherrs(meta, options, solver="cpp", **kw)
+        b = plan_gemm2_gatherrs(meta, options, solver="python", **kw)
+        assert a == b and a.mode_choice is not None, (a, b)
+        seen.add(a.mode)
+    assert seen == {"direct", "prereduce"}  # both outcomes exercised

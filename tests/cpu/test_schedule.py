@@ -243,3 +243,49 @@ def test_tile_config_refuses_sizes_no_launch_takes(fields, message):
 
     with pytest.raises(ValueError, match=message):
         TileConfig(**fields)
+
+
+@pytest.mark.parametrize("value, expected", [("", "fused"), ("fused", "fused"),
+                                             ("steps", "steps"), ("cpp", None),
+                                             ("Fused", None)])
+def test_host_tables_variable(monkeypatch, value, expected):
+    """$MEGATRON_OVERLAP_HOST_TABLES: "fused" (default) or "steps"; anything else is refused
+    by `host_tables_mode` and by `check_environment` (the dispatcher's construction),
+    naming the variable."""
+    from megatron_overlap import config
+
+    monkeypatch.setenv(config.HOST_TABLES_ENV, value)
+    if expected is None:
+        for check in (config.host_tables_mode, config.check_environment):
+            with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_HOST_TABLES={value!r}: "
+                                                 "expected 'fused' or 'steps'"):
+                check()
+        return
+    assert config.host_tables_mode() == expected
+    config.check_environment()
+
+
+def test_workspace_spare_arrivals():
+    """`spare_arrivals` / `take_arrivals`: the running totals swap between two arrays (no
+    allocation per call); only the spare is taken; a resized totals array (as
+    `local_workspaces` sets) gets a spare of its own shape."""
+    import numpy as np
+    import torch
+
+    from megatron_overlap.symm import GatherRSWorkspace
+
+    ws = GatherRSWorkspace(None, hidden=8, dtype=torch.float32, device="cpu")
+    first = ws.expected_arrivals
+    spare = ws.spare_arrivals()
+    assert spare is not first and spare.shape == first.shape and spare.dtype == np.int64
+    assert ws.spare_arrivals() is spare  # the same until taken
+    spare[:] = 5
+    ws.take_arrivals(spare)
+    assert ws.expected_arrivals is spare and ws.spare_arrivals() is first
+    with pytest.raises(ValueError, match="takes the array spare_arrivals returned"):
+        ws.take_arrivals(np.zeros_like(spare))
+    ws.expected_arrivals = np.zeros(3, dtype=np.int64)
+    assert ws.spare_arrivals().shape == (3,)
+    ws.destroy()
+    with pytest.raises(RuntimeError):
+        ws.take_arrivals(ws.spare_arrivals())

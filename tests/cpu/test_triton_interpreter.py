@@ -161,6 +161,63 @@ def _tile_list_mismatch():
     return "; ".join(problems) or None
 
 
+def _host_tables_mismatch():
+    """The fused host tables (`_layout.direct_tables` into the staging buffer) against the
+    step-by-step ones (`direct_layout` + numpy copies), $MEGATRON_OVERLAP_HOST_TABLES:
+    three calls in a row on a fresh workspace per mode, for several layouts and routings:
+    the uploaded segments, targets and bases, the device tile list, the call's
+    sizes and the workspace's running totals after each call. None when every one agrees
+    (and the fused calls did take the fused path: no `DirectLayout` built)."""
+    import os
+
+    import torch
+
+    from megatron_overlap.config import HOST_TABLES_ENV
+    from megatron_overlap.ops.triton_gemm2_gatherrs import INTERPRETER_TILE, _Call
+    from megatron_overlap.resource import Plan
+    from megatron_overlap.symm import local_workspaces
+    from tests.support.op_problem import OpCase, rank_operands
+
+    problems = []
+    for tp, ep, routing in ((1, 1, "uniform"), (1, 2, "skewed"), (2, 2, "uniform"),
+                            (1, 4, "sparse"), (2, 1, "skewed")):
+        r = tp * ep
+        case = OpCase(tp, ep, num_experts=4 * ep, topk=2,
+                      tokens_per_rank=[40 + 17 * g for g in range(r)], routing=routing,
+                      hidden=48, ffn=16, seed=5, dtype=torch.float32)
+        plan = Plan(num_comm_ctas=2, num_ctas=5, source="test")
+        seen = {}
+        for mode in ("fused", "steps"):
+            os.environ[HOST_TABLES_ENV] = mode
+            ws = local_workspaces(r, hidden=48, dtype=case.dtype, device="cpu",
+                                  capacity_rows=4096)
+            rows = []
+            for n in range(3):
+                g = (r - 1 + n) % r  # a different rank's tables each call
+                h, w2, meta = rank_operands(case, g)
+                call = _Call(meta, ws[0], plan, hidden=48, dtype=h.dtype, device=h.device,
+                             timeout_s=1.0, tile=INTERPRETER_TILE)
+                fused = call.__dict__["_layout"] is None
+                if fused != (mode == "fused"):
+                    problems.append(f"tp{tp} ep{ep}: {mode} call took the other path")
+                rows.append((call._table.tolist(), call.targets.tolist(),
+                             call.finalize_base.tolist(), call.tiles.tolist(),
+                             (call.num_remote, call.num_local, call.num_rows, call.split,
+                              call._local_rows, call._col_blocks, call._num_segments,
+                              call.epoch, call.freed_target),
+                             ws[0].expected_arrivals.tolist()))
+                del call
+            seen[mode] = rows
+        os.environ.pop(HOST_TABLES_ENV)
+        for n, (a, b) in enumerate(zip(seen["fused"], seen["steps"])):
+            names = ("uploaded segments", "targets", "finalize bases", "tile list", "sizes",
+                     "running totals")
+            for name, x, y in zip(names, a, b):
+                if x != y:
+                    problems.append(f"tp{tp} ep{ep} {routing} call {n}: {name} differ")
+    return "; ".join(problems) or None
+
+
 def _finish_error(call) -> str:
     """The RuntimeError message of `call.finish()`, or "no error raised"."""
     try:
@@ -331,6 +388,7 @@ def _simulate() -> dict:
     report["dropped"] = _dropped_tokens_mismatch()
     report["index"] = _index_mismatch()
     report["tile_list"] = _tile_list_mismatch()
+    report["host_tables"] = _host_tables_mismatch()
     # A missing sender: rank 1 never sends, so rank 0's finalize must time out and say so.
     case = _cases()[3]  # a 2-rank layout
     ws = local_workspaces(2, hidden=case.hidden, dtype=case.dtype, device="cpu",
@@ -410,6 +468,7 @@ def test_kernels_in_interpreter():
     assert report.pop("dropped") is None
     assert report.pop("index") is None
     assert report.pop("tile_list") is None
+    assert report.pop("host_tables") is None
     assert "finalize timed out waiting for sender rank 1" in timeout_msg, timeout_msg
     assert "tp_ep rank 0" in timeout_msg, timeout_msg
     for name in ("producer_timeout", "producer_timeout_tma"):
