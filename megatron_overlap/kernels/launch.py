@@ -20,6 +20,19 @@ its check that the kernel's global variables did not change (the kernels here us
 
 `MEGATRON_OVERLAP_FAST_LAUNCH=0` turns it off (every launch through `JITFunction.run`).
 
+`MEGATRON_OVERLAP_FAST_LAUNCH=direct` (opt-in, v5.4) goes one level lower with Triton 3.6
+(the GPU machines' version; `DIRECT_LAUNCH_TRITON`): a cached kernel is launched straight
+through the C launcher that Triton generated for it (`CompiledKernel.run.launch`), with
+what Triton's runner would pass it computed once per key (the function handle, the packed
+metadata, the cooperative-grid and PDL flags) and, per launch, only what Triton computes
+per launch (the current stream, the global scratch from Triton's allocator). That skips
+the runner closure, the launch-metadata call and the launcher object's `__call__`
+(`_direct_launch`). Where a launch hook is set (`triton.knobs.runtime.launch_enter_hook` /
+`launch_exit_hook`, e.g. a profiler), where the kernel asks for profile scratch, and with
+any other Triton, the cached kernel's own `CompiledKernel[grid]` runs instead. It is
+opt-in because it depends on Triton's launcher internals; `bench_layer.py --alt-env
+MEGATRON_OVERLAP_FAST_LAUNCH=direct` measures it against the default in one process.
+
 Measured on the GPU machine with Triton 3.6 (docs/perf_notes.md v4.7; a do-nothing kernel
 with 8 tensor and 16 int arguments, warm): the JIT path 20-23 us, this one 20-23 us, the
 compiled kernel called directly 11-12 us. So with that Triton it saves nothing: Triton's
@@ -38,22 +51,78 @@ import torch
 
 FAST_LAUNCH_ENV = "MEGATRON_OVERLAP_FAST_LAUNCH"
 """Environment variable: "0" launches through Triton's JIT every time; "1" or unset: reuse
-the compiled kernel."""
+the compiled kernel; "direct": reuse it and call its C launcher directly (see the module
+docstring)."""
+
+
+def fast_launch_mode() -> str:
+    """$MEGATRON_OVERLAP_FAST_LAUNCH: "0", "1" (also when unset or empty) or "direct".
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get(FAST_LAUNCH_ENV, "")
+    if value not in ("", "0", "1", "direct"):
+        raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '0', '1' or 'direct'")
+    return value or "1"
 
 
 def fast_launch_enabled() -> bool:
-    """$MEGATRON_OVERLAP_FAST_LAUNCH: True unless "0".
+    """$MEGATRON_OVERLAP_FAST_LAUNCH: True unless "0" (`fast_launch_mode`).
 
     Raises:
-        ValueError: a value other than "0", "1" or empty.
+        ValueError: a value other than "0", "1", "direct" or empty.
     """
-    value = os.environ.get(FAST_LAUNCH_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '0' or '1'")
-    return value != "0"
+    return fast_launch_mode() != "0"
 
 
 _PLAIN = (torch.Tensor, int, float, bool, type(None))
+
+DIRECT_LAUNCH_TRITON = ("3.6.",)
+"""Triton versions (prefixes) whose launcher internals `_direct_launch` was written
+against (docs/perf_notes.md v5.3, v5.4); others launch through `CompiledKernel[grid]`."""
+
+
+def _direct_launch(compiled, device: int):
+    """A `go(grid, args)` that launches `compiled` through its generated C launcher as
+    Triton 3.6's `CompiledKernel.__getitem__` runner and `CudaLauncher.__call__` do
+    (returns False, launching nothing, where a launch hook is set), or None where this
+    Triton or this kernel is not one it handles (see the module docstring)."""
+    import triton
+
+    if not triton.__version__.startswith(DIRECT_LAUNCH_TRITON):
+        return None
+    try:
+        from triton import knobs
+        from triton.runtime import _allocation
+        from triton.runtime.driver import driver
+
+        run = compiled.run  # (initialises the module and function handles)
+        launch, function, packed = run.launch, compiled.function, compiled.packed_metadata
+        num_ctas, size, align = run.num_ctas, run.global_scratch_size, run.global_scratch_align
+        coop, pdl, profile_size = (run.launch_cooperative_grid, run.launch_pdl,
+                                   run.profile_scratch_size)
+        allocator = _allocation._allocator
+        get_stream = driver.active.get_current_stream
+        hooks = knobs.runtime
+    except (AttributeError, ImportError, RuntimeError):  # (RuntimeError: no active driver)
+        return None
+    if profile_size:
+        return None
+
+    def go(grid, args):
+        if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+            return False  # a hook wants the launch metadata: Triton's own runner
+        stream = get_stream(device)
+        scratch = None
+        if size > 0:
+            scratch = allocator.get()(grid[0] * grid[1] * grid[2] * num_ctas * size, align,
+                                      stream)
+        launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, scratch, None, packed,
+               None, None, None, *args)
+        return True
+
+    return go
 
 
 def _as_kernel_arg(arg: Any) -> Any:
@@ -89,6 +158,9 @@ class FastLauncher:
     def __init__(self, fn) -> None:
         self.fn = fn
         self._cache: Dict[Tuple, Any] = {}
+        # key -> `_direct_launch` of its kernel (None: it declined), made at the key's first
+        # launch in mode "direct"
+        self._direct: Dict[Tuple, Any] = {}
         self._constexpr_names = None  # the interpreter's functions: always the normal path
         if hasattr(fn, "constexprs"):
             constexprs = sorted(fn.constexprs)
@@ -107,7 +179,8 @@ class FastLauncher:
         return torch.cuda.current_device()  # where Triton launches
 
     def __call__(self, grid, *args, **meta):
-        if self._constexpr_names is None or not fast_launch_enabled():
+        mode = fast_launch_mode()
+        if self._constexpr_names is None or mode == "0":
             return self.fn[grid](*(_as_kernel_arg(a) for a in args), **meta)
         # One pass: the kernel arguments and their key (`_arg_key`, inlined for the common
         # kinds: this runs for every argument of every launch on the host's critical path).
@@ -146,5 +219,12 @@ class FastLauncher:
             # The compiled kernel's runner reads grid[0], grid[1], grid[2].
             if len(grid) != 3:
                 grid = tuple(grid) + (1,) * (3 - len(grid))
-            compiled[grid](*conv, *[meta[name] for name in self._constexpr_names])
+            conv.extend(meta[name] for name in self._constexpr_names)
+            if mode == "direct":
+                go = self._direct.get(key, False)
+                if go is False:
+                    go = self._direct[key] = _direct_launch(compiled, key[0])
+                if go is not None and go(grid, conv):
+                    return compiled
+            compiled[grid](*conv)
         return compiled

@@ -117,3 +117,123 @@ def test_host_int_helpers_match_triton():
     assert [_pow2(n) for n in range(0, 4100)] == [triton.next_power_of_2(n)
                                                   for n in range(0, 4100)]
     assert all(_cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 600) for b in range(1, 70))
+
+
+class _CudaLauncherLike:
+    """The attributes of Triton 3.6's `CudaLauncher` that `_direct_launch` reads."""
+
+    def __init__(self, log, scratch=128, profile=0):
+        self.log = log
+        self.num_ctas, self.global_scratch_size, self.global_scratch_align = 1, scratch, 128
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.profile_scratch_size = profile
+
+    def launch(self, *args):
+        self.log.append(args)
+
+
+class _CompiledLike:
+    def __init__(self, log, **kw):
+        self.run = _CudaLauncherLike(log, **kw)
+        self.function, self.packed_metadata = 4242, (8, 1, 65536)
+
+
+@pytest.fixture
+def triton36(monkeypatch):
+    """Triton's version read as 3.6.0, its stream getter and scratch allocator faked."""
+    import sys
+
+    import triton
+    from triton import knobs
+    from triton.runtime import _allocation
+
+    driver_mod = sys.modules["triton.runtime.driver"]  # (the package attribute is the object)
+
+    class _Active:
+        @staticmethod
+        def get_current_stream(device):
+            return 1000 + device
+
+    class _Driver:
+        active = _Active()
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(driver_mod, "driver", _Driver())
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    before = _allocation._allocator.get()
+    triton.set_allocator(lambda size, align, stream: ("scratch", size, align, stream))
+    yield knobs.runtime
+    triton.set_allocator(before)
+
+
+def test_direct_launch_passes_what_tritons_runner_passes(triton36):
+    from megatron_overlap.kernels.launch import _direct_launch
+
+    log = []
+    go = _direct_launch(_CompiledLike(log), 3)
+    x = torch.zeros(4)
+    assert go((2, 3, 1), [x, 7, 32, False]) is True
+    # grid, stream of device 3, function, cooperative / PDL flags, the global scratch of
+    # grid x num_ctas x size bytes from Triton's allocator, no profile scratch, the packed
+    # metadata, no launch metadata or hooks, then every argument (constexprs included)
+    assert log == [(2, 3, 1, 1003, 4242, False, True, ("scratch", 6 * 128, 128, 1003), None,
+                    (8, 1, 65536), None, None, None, x, 7, 32, False)]
+    assert _direct_launch(_CompiledLike(log, scratch=0), 0)((1, 1, 1), [])
+    assert log[-1][7] is None  # no scratch asked, none allocated
+    triton36.launch_enter_hook = lambda metadata: None  # a profiler: Triton's own runner
+    assert go((1, 1, 1), [x]) is False and len(log) == 2
+
+
+def test_direct_launch_declines_other_tritons_and_profile_scratch(triton36, monkeypatch):
+    import triton
+
+    from megatron_overlap.kernels.launch import _direct_launch
+
+    assert _direct_launch(_CompiledLike([], profile=64), 0) is None
+    assert _direct_launch(object(), 0) is None  # not a compiled kernel it knows
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert _direct_launch(_CompiledLike([]), 0) is None
+
+
+def test_cached_kernels_launch_directly_only_in_direct_mode(launcher, monkeypatch):
+    """Mode "direct": a cached kernel goes through `_direct_launch` (made once per key);
+    where that declines (a hook appeared) `CompiledKernel[grid]` runs. The default mode
+    never calls it."""
+    from megatron_overlap.kernels import launch as launch_mod
+
+    direct_log, made = [], []
+
+    def fake_direct(compiled, device):
+        made.append(device)
+
+        def go(grid, args):
+            direct_log.append((grid, tuple(args)))
+            return len(direct_log) < 2  # the second direct launch: a hook appeared
+
+        return go
+
+    monkeypatch.setattr(launch_mod, "_direct_launch", fake_direct)
+    x = torch.zeros(64, dtype=torch.float32)
+    launcher((4,), x, 100, BLOCK=32, EVEN=False, num_warps=4)  # default mode: compiles
+    launcher((4,), x, 150, BLOCK=32, EVEN=False, num_warps=4)  # default mode: compiled[grid]
+    assert made == [] and direct_log == []
+    monkeypatch.setenv(FAST_LAUNCH_ENV, "direct")
+    for n in (200, 300):
+        launcher((4,), x, n, BLOCK=32, EVEN=False, num_warps=4)
+    log = launcher.fn.log
+    assert [entry[0] for entry in log] == ["jit", "compiled", "compiled"]  # 300: declined
+    assert made == [0]  # one `_direct_launch` per key
+    assert direct_log == [((4, 1, 1), (x, 200, 32, False)), ((4, 1, 1), (x, 300, 32, False))]
+    assert log[2][2] == (x, 300, 32, False)
+
+
+def test_fast_launch_modes(monkeypatch):
+    from megatron_overlap.kernels.launch import fast_launch_mode
+
+    for value, mode in (("", "1"), ("1", "1"), ("0", "0"), ("direct", "direct")):
+        monkeypatch.setenv(FAST_LAUNCH_ENV, value)
+        assert fast_launch_mode() == mode and fast_launch_enabled() == (mode != "0")
+    monkeypatch.setenv(FAST_LAUNCH_ENV, "Direct")
+    with pytest.raises(ValueError, match="expected '0', '1' or 'direct'"):
+        fast_launch_mode()
