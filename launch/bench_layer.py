@@ -16,7 +16,9 @@ initialisation; on CPU every expert redrawn distinct, `tests.support.megatron_cp
 init_expert_weights`), the others load its state dict strictly.
 
 Protocol per sequence length: `--warmup` untimed forwards of each variant, then `--iters`
-rounds, each timing one forward of every variant (rotating the order every round), all
+rounds, each timing one forward of every variant (in the order of `measure.round_order`, a
+Williams design: each variant follows every other one equally often; before v5.4 a rotation
+alone kept every variant's predecessor), all
 ranks lined up before each forward, the GPU's L2 flushed (256 MiB zeroed) before it, CUDA
 events around it; a forward's time is the slowest rank's; rows give p20/p50/p80 over the
 rounds. Then every variant's output on that input is compared with "off": max|x - off| /
@@ -96,6 +98,7 @@ from megatron_overlap.config import (
 )
 from megatron_overlap.bench.measure import (
     Timer,
+    round_order,
     allocated_bytes,
     append_rows,
     arm_stack_dumps,
@@ -598,8 +601,7 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
                     persistent[name] = max(0, allocated_bytes(device) - before)
         calls_before = fused_calls(layers["on"])
         for r in range(run.iters):
-            shift = r % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in round_order(names, r):
                 timers[name].measure(lambda name=name: forward(name))
         calls = fused_calls(layers["on"]) - calls_before
         expected = run.iters * (2 if run.alt_env is not None else 1)

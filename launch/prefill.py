@@ -17,8 +17,10 @@ Every model after "off" loads its weights with `load_state_dict(strict=True)` (t
 parameter names are identical by design, so a strict load succeeding is the
 checkpoint-compatibility check).
 
-For each sequence length it warms every model up, times `--iters` forwards of each
-alternating off, on, off-grouped, off, on, ... (so drift hits all), then checks that each
+For each sequence length it warms every model up, times `--iters` rounds of one forward
+of each, in the order of `measure.round_order` (a Williams design: drift hits all, and each
+model follows every other one equally often; before v5.4 the order was off, on,
+off-grouped in every round), then checks that each
 agrees with "off": the first MoE layer's output (its input is identical in all models) and
 the logits, against an fp32 copy of the flag-off model in bf16 runs (see `judge`,
 `TOLERANCE`). Rank 0 prints a table and appends one JSON row per (model, layout, seq,
@@ -73,6 +75,7 @@ from megatron_overlap.bench.cli import (  # noqa: E402
 )
 from megatron_overlap.bench.measure import (  # after the sys.path line
     Timer,
+    round_order,
     allocated_bytes,
     append_rows,
     arm_stack_dumps,
@@ -1064,9 +1067,9 @@ def time_seq(
                 persistent[name] = max(0, allocated_bytes(device) - before)
             progress.update(1)
     calls_before = fused_forward_count(models["on"])
-    for _ in range(run.iters):
-        for name, model in models.items():
-            timers[name].measure(lambda m=model: forward(m, tokens, positions))
+    for r in range(run.iters):
+        for name in round_order(list(models), r):  # (each model after every other)
+            timers[name].measure(lambda m=models[name]: forward(m, tokens, positions))
             progress.update(1)
     fused_calls = fused_forward_count(models["on"]) - calls_before
     expected = run.iters * fused_layers

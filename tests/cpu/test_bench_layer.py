@@ -338,3 +338,26 @@ def test_alt_env_refuses_the_breakdowns():
         ["--device", "cpu", "--alt-env", "MEGATRON_OVERLAP_TMA_STORE=1", "--host-breakdown"])
     with pytest.raises(ValueError, match="--alt-env times 'on-alt' only"):
         module.resolve_args(args, 1)
+
+
+def test_round_order_is_balanced_for_the_predecessor():
+    """`round_order` (a Williams design): every round times every variant once; within the
+    rounds of one cycle (n rounds, 2n for odd n) every variant follows every other one
+    equally often, so no variant keeps one predecessor (as with the rotation alone before
+    v5.4: 'on' always after 'off', 'off-grouped' always after 'on')."""
+    from collections import Counter
+    from itertools import permutations
+
+    from megatron_overlap.bench.measure import round_order
+
+    for n in range(2, 8):
+        names = [f"v{i}" for i in range(n)]
+        cycle = n if n % 2 == 0 else 2 * n
+        rounds = [round_order(names, r) for r in range(cycle)]
+        assert all(sorted(o) == names for o in rounds)
+        pred = Counter((o[i - 1], o[i]) for o in rounds for i in range(1, n))
+        want = (n - 1) * cycle // (n * (n - 1))  # within-round successions per ordered pair
+        assert set(pred) == set(permutations(names, 2)), n
+        assert set(pred.values()) == {want}, (n, pred)
+        assert round_order(names, cycle + 1) == rounds[1]  # periodic
+    assert round_order([], 3) == [] and round_order(["a"], 5) == ["a"]
