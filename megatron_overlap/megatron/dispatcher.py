@@ -189,9 +189,11 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._megatron_counts = None
         else:
             with span("mo.counts_all_gather"):
-                if slots_per_ep is None:  # Triton path, one rank or no gather seen
-                    slots_per_ep = self.routing_map.new_zeros(self.ep_size, dtype=torch.int64)
-                counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
+                if slots_per_ep is None:  # Triton path, one rank or no gather seen: [E]
+                    counts = self.routing_map.sum(dim=0)  # (int64: a sum of bools)
+                else:  # reference path: [E + EP], the slot columns after the experts
+                    counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(
+                        torch.int64)
                 if self.tp_size * self.ep_size > 1:
                     gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
                     all_gather_flat(gathered, counts, group=self.tp_ep_group)

@@ -322,6 +322,7 @@ def test_flag_on_matches_flag_off(world):
     ("MEGATRON_OVERLAP_FAST_LAUNCH", "yes", "MEGATRON_OVERLAP_FAST_LAUNCH='yes'"),
     ("MEGATRON_OVERLAP_FC1_CHUNK_MB", "0", "MEGATRON_OVERLAP_FC1_CHUNK_MB='0'"),
     ("MEGATRON_OVERLAP_TMA_STORE", "on", "MEGATRON_OVERLAP_TMA_STORE='on'"),
+    ("MEGATRON_OVERLAP_HOST_TABLES", "cpp", "MEGATRON_OVERLAP_HOST_TABLES='cpp'"),
 ])
 def test_bad_environment_fails_at_construction(monkeypatch, var, value, match):
     """A typo in a fused-path variable is an error when the dispatcher is built, on any
@@ -366,6 +367,41 @@ def _counts_worker(rank: int, world_size: int, layouts: list) -> list:
                        and torch.equal(kept.view(world_size, -1).to(torch.int64),
                                        torch.stack(want)))
     return out
+
+
+def _one_rank_counts_worker(rank: int, world_size: int, _unused) -> list:
+    """At world 1 (no gather of Megatron's to reuse) the counts the dispatcher keeps for
+    the Triton path ([1, E]: no slot columns) and for the reference path ([1, E + EP])."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_overlap.megatron import use_gatherrs_in_moe_spec
+    from tests.support.megatron_cpu import apply_cpu_patches, parallel_state
+
+    apply_cpu_patches()
+    case = LayerCase(1, 1, num_experts=4, topk=2)
+    out = []
+    with parallel_state(1, 1, seed=1234):
+        spec = use_gatherrs_in_moe_spec(get_moe_module_spec(use_te=False,
+                                                            num_experts=case.num_experts))
+        dispatcher = spec(config=_config(case, True)).token_dispatcher
+        scores = torch.rand(9, case.num_experts, generator=torch.Generator().manual_seed(3))
+        rmap = torch.zeros_like(scores, dtype=torch.bool)
+        rmap.scatter_(1, scores.topk(case.topk, dim=1).indices, True)
+        hidden = torch.randn(9, 32)  # (hidden_size of `_config`)
+        for triton in (True, False):
+            dispatcher._triton_will_run = lambda h, triton=triton: triton
+            dispatcher.dispatch_preprocess(hidden, rmap, scores * rmap)
+            counts = dispatcher._counts_host
+            out.append((tuple(counts.shape), counts.dtype == torch.int64,
+                        counts[0, :case.num_experts].tolist() == rmap.sum(0).tolist()))
+    return out
+
+
+def test_one_rank_counts_have_slot_columns_only_on_the_reference_path():
+    """At world 1 the Triton path's counts are [1, E] (one reduction, no slot columns to
+    build: v5.4), the reference path's [1, E + EP]."""
+    results = run_distributed(_one_rank_counts_worker, 1, None, timeout_s=120)
+    assert results == [[((1, 4), True, True), ((1, 5), True, True)]], results
 
 
 def test_dispatcher_keeps_megatron_counts():
