@@ -97,6 +97,7 @@ from megatron_overlap.config import (
     tma_store_enabled,
 )
 from megatron_overlap.bench.measure import (
+    TIMING_ORDER,
     Timer,
     round_order,
     allocated_bytes,
@@ -917,6 +918,7 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "combine_mode": result["flag_on_state"][name][3] if flag_on else None,
             # on-alt: the variable set around its forwards (--alt-env)
             "alt_env": "=".join(run.alt_env) if name == "on-alt" else None,
+            "timing_order": TIMING_ORDER,
             "ms_p20": percentile(times, 20),
             "ms_p50": p50[name],
             "ms_p80": percentile(times, 80),

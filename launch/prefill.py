@@ -74,6 +74,7 @@ from megatron_overlap.bench.cli import (  # noqa: E402
     positive_int,
 )
 from megatron_overlap.bench.measure import (  # after the sys.path line
+    TIMING_ORDER,
     Timer,
     round_order,
     allocated_bytes,
@@ -1183,6 +1184,7 @@ def make_rows(
                 "backend": info["backend"] if on else "megatron-alltoall",
                 "fused_calls": timing["fused_calls"] if on else 0,
                 "combine_modes": timing["combine_modes"] if on else [],
+                "timing_order": TIMING_ORDER,
                 "ms_p20": percentile(ms, 20),
                 "ms_p50": p50[name],
                 "ms_p80": percentile(ms, 80),

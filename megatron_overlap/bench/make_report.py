@@ -55,7 +55,10 @@ Common fields:
   in that process, "cpp" | "python", `resource.solver.implementation_name`; absent
   before v4.9's eed19ee), tma_store (the run's `MEGATRON_OVERLAP_TMA_STORE`, in every
   row of the run: the GEMM2 epilogue's stores through TMA descriptors, which act only
-  where the flag-on variant runs the Triton backend; absent before v5.2),
+  where the flag-on variant runs the Triton backend; absent before v5.2), timing_order
+  (the variants' order in the timed rounds: "williams", `bench.measure.round_order`, from
+  v5.4; absent before, when bench_layer rotated the order every round and prefill kept
+  off, on, off-grouped, so every variant had the same predecessor in every round),
   warmup, iters, ms_p20 / ms_p50 / ms_p80 / ms_mean (ms per forward, the slowest rank's),
   ms_all (every timed forward, slowest rank), tokens_per_s (global_tokens / p50),
   host_ms_p50 (layer from v4.5, prefill from v5.1: p50 of the host time to run and enqueue a
@@ -605,7 +608,7 @@ def environment_section(rows: list[dict]) -> str:
 
 
 SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes",
-                  "tma_store")
+                  "tma_store", "timing_order")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
 in older rows: shown as "-")."""
 

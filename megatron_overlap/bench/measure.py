@@ -74,6 +74,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+TIMING_ORDER = "williams"
+"""The rows' `timing_order`: the variants' order in the timed rounds (`round_order`)."""
+
+
 def round_order(names: Sequence[str], r: int) -> list[str]:
     """The order of the variants in timed round r: row r of a Williams design (a Latin
     square balanced for first-order carry-over; E. J. Williams, Aust. J. Sci. Res. A 2,
