@@ -35,10 +35,12 @@ registers."""
 
 HOST_TABLES_ENV = "MEGATRON_OVERLAP_HOST_TABLES"
 """How a direct call's host tables (segments, finalize bases, arrival targets) reach its
-staging buffer (`host_tables_mode`): "fused" (default where the C++ extension is built: one
-call of `ops._layout.direct_tables` writes them straight into the pinned buffer) or "steps"
-(`direct_layout`'s arrays, then numpy copies into the buffer: the path before v5.4, kept
-for comparison)."""
+staging buffer (`host_tables_mode`): "fused" (default: one call of
+`ops._layout.direct_tables` writes them straight into the pinned buffer; where the C++
+layout extension is built, the tile list is built on the device, the default
+`MEGATRON_OVERLAP_TILE_LIST`, and the metadata has the routed counts, as the dispatcher's
+always has; otherwise "steps" runs) or "steps" (`direct_layout`'s arrays, then numpy copies
+into the buffer: the path before v5.4, kept for comparison)."""
 
 FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
 """The grouped FC1's chunk of rows, in MiB of [rows, F] (`fc1_chunk_bytes`)."""
@@ -183,7 +185,7 @@ class GatherRSOptions:
     before they travel, one row per token and source rank over NVLink instead of one per
     (token, expert); the GEMM2 then stores locally and the send is a pass of its own
     (`megatron_overlap.ops.triton_prereduce`). "auto" (default): the resource manager picks
-    one per call from the group's routing counts (`resource.mode.choose_mode`; every rank
+    one per call from the group's routing counts (the mode model of `resource.mode`; every rank
     picks alike). The pre-reduced mode needs every rank's routing map: one all-gather per
     call, which the Megatron dispatcher does without a host sync
     (`ops.gemm2_gatherrs.gather_routing_maps` with the token counts it has). At the op level

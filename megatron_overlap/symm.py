@@ -217,7 +217,8 @@ class GatherRSWorkspace:
 
     def add_expected_arrivals(self, arrivals: np.ndarray) -> np.ndarray:
         """Add one call's arrivals per sender ([R] int64) to the running totals; returns the
-        new totals (the call's targets).
+        new totals (the call's targets): copy them to keep them, since `take_arrivals` may
+        reuse that array two calls later (`spare_arrivals`).
 
         Raises:
             ValueError: `arrivals` is not of shape [R].

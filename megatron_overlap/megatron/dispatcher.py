@@ -97,10 +97,11 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     Raises:
         ValueError: the config is not supported by the fused path (`validate_gatherrs_config`),
-            or an environment variable of the fused path has a bad value
-            (`MEGATRON_OVERLAP_TILE_LIST`, `MEGATRON_OVERLAP_HW_PROFILE`,
-            `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FAST_LAUNCH`): checked here, on every
-            device, so that a typo does not wait for the first GPU launch.
+            or an environment variable of the fused path has a bad value (every variable
+            `megatron_overlap.config.check_environment` checks: `MEGATRON_OVERLAP_` +
+            `TILE_LIST`, `HOST_TABLES`, `TMA_STORE`, `FAST_LAUNCH`, `HW_PROFILE`, `SOLVER`,
+            `FC1_CHUNK_MB`): checked here, on every device, so that a typo does not wait for
+            the first GPU launch.
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
 

@@ -685,15 +685,17 @@ class _Call:
         index_shape = (meta.num_tokens, kmax * meta.tp_size)
         n_index = _align4(index_shape[0] * index_shape[1])
         stream = torch.cuda.current_stream(device) if self.gpu else None
+        head = n_index + _align4(n_counts)  # the scratch before the device tile list
         if (tile_list == "device" and _layout_cpp is not None
                 and meta.routed_counts is not None and host_tables_mode() == "fused"):
-            slot = self._fused_tables(meta, ws, stream)
+            slot = self._fused_tables(meta, ws, stream, head)
         else:
-            slot = self._step_tables(meta, ws, stream, tile_list, n_index + _align4(n_counts))
+            slot = self._step_tables(meta, ws, stream, tile_list, head)
         num_tiles = self.num_remote + self.num_local
         tile_list, waves, kc = self._tile_list, self._waves, self._kc
-        if tile_list != "host":
-            slot.fit_scratch(device, n_index + _align4(n_counts) + num_tiles * k.TILE_FIELDS)
+        # (every path: the index and block counts; the device tile list after them)
+        slot.fit_scratch(device, head + (0 if tile_list == "host" else
+                                         num_tiles * k.TILE_FIELDS))
         rmap = meta.routing_map.view(torch.uint8)
         with span("mo.h2d"):
             slot.copy_in(device, stream)
@@ -743,16 +745,19 @@ class _Call:
             return "host"  # the kernel's wave positions are int32 products
         return tile_list
 
-    def _fused_tables(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, stream):
+    def _fused_tables(self, meta: GatherRSMetadata, ws: GatherRSWorkspace, stream,
+                      scratch_head: int):
         """The host tables of the device tile list, written by one C++ call
-        (`_layout.direct_tables`) into a staging slot's pinned buffer; takes the call's epoch
-        and arrival targets. Returns the slot. Falls back to `_step_tables` where the wave
-        positions overflow int32 (the host tile list then)."""
+        (`_layout.direct_tables`) into a staging slot's pinned buffer (taken with room for
+        `scratch_head` int32 of scratch: the index and block counts; the caller fits the
+        tile list after them); takes the call's epoch and arrival targets. Returns the slot.
+        Falls back to `_step_tables` where the wave positions overflow int32 (the host tile
+        list then), before anything of the workspace is taken."""
         group, num_experts = meta.group_size, meta.routed_counts.shape[1]
         n_seg = group * meta.num_local_experts
         tables = (2 * group, meta.tp_size * num_experts, n_seg * k.SEGMENT_FIELDS)
         with span("mo.direct_layout"):
-            slot, kept = _StagingSlot.take(ws, self.device, tables, 0, stream)
+            slot, kept = _StagingSlot.take(ws, self.device, tables, scratch_head, stream)
             self._slot = slot if kept else None
             nxt = ws.spare_arrivals()
             (self.num_remote, self.num_local, self._col_blocks, self._local_rows, self.split,
@@ -763,8 +768,8 @@ class _Call:
             self._num_segments = n_seg
             self._layout = None  # `layout` computes it where asked
             self._tile_list = self._wave_plan("device")
-        if self._tile_list == "host":  # (the slot goes back with this call, unused)
-            return self._step_tables(meta, ws, stream, "host", 0)
+        if self._tile_list == "host":  # (`_step_tables` releases this slot, unused)
+            return self._step_tables(meta, ws, stream, "host", scratch_head)
         ws.ensure_capacity(recv_max)
         self.epoch = ws.next_epoch()
         # A remote destination's buffer is free for this call once its finalize of every

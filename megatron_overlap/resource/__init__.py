@@ -144,7 +144,7 @@ class Plan:
             finalize + launch), or None when the model did not run.
         breakdown: the model's terms, or None when it did not run.
         mode: the combine mode, "direct" or "prereduce" (`GatherRSOptions.prereduce`: True
-            or False as given; "auto": `resource.mode.choose_mode` where it can run, else
+            or False as given; "auto": the mode model of `resource.mode` where it can run, else
             "direct"). The pre-reduced mode uses num_ctas, not num_comm_ctas.
         mode_choice: the two modes' predictions behind an "auto" choice, else None. They
             come from `resource.mode`'s simpler model (whole GEMM2 waves at the profile's
@@ -224,7 +224,7 @@ def plan_gemm2_gatherrs(
         meta: routing metadata of the call: `rows_per_expert_per_chunk` [L, R] int64 (chunk
             order), TP/EP sizes and ranks, `num_tokens`.
         options: `GatherRSOptions`; `num_comm_ctas` overrides the choice of k; `prereduce`
-            True / False fixes the mode, "auto" lets `resource.mode.choose_mode` pick it
+            True / False fixes the mode, "auto" lets `resource.mode`'s model pick it
             from `meta.routed_counts` (the group-wide counts, so every rank picks alike;
             "direct" where the model cannot run: one rank, no SM count, no H / F).
         num_sms: S, streaming multiprocessors of the GPU; None: no model (source "cpu").
@@ -310,14 +310,6 @@ def plan_gemm2_gatherrs(
     bm, bn, bk = tile
     tile_time = prof.tile_time(bm, bn, bk, tma_store)
     local_chunk = meta.tp_rank * meta.ep_size + meta.ep_rank  # chunk order c = tp * EP + ep
-    if recv_rows is None:
-        recv_rows = int(meta.rows_per_expert_per_chunk.sum())
-    elif type(recv_rows) is int and recv_rows >= 0:
-        pass
-    elif isinstance(recv_rows, bool) or not isinstance(recv_rows, numbers.Integral):
-        raise TypeError(f"recv_rows={recv_rows!r}: expected an int")
-    elif recv_rows < 0:
-        raise ValueError(f"recv_rows={recv_rows}: expected >= 0")
     # The mode model's inputs, only those every rank has alike: the group-wide counts, the
     # shapes, the profile and the SM count (the group's GPUs are alike), and the profile's
     # calibrated CTAs per SM and tile time, not this process's compiled-kernel occupancy
@@ -337,6 +329,14 @@ def plan_gemm2_gatherrs(
         meta.routed_counts if auto else None, meta.tp_size, meta.ep_size, meta.topk or 1,
         num_sms * ref_ctas, tau_ref_ps, prof.hbm_bandwidth_gbps)
     source = "override" if override is not None else "model" if remote_tiles else "no-remote"
+    if recv_rows is None:
+        recv_rows = int(meta.rows_per_expert_per_chunk.sum())
+    elif type(recv_rows) is int and recv_rows >= 0:
+        pass
+    elif isinstance(recv_rows, bool) or not isinstance(recv_rows, numbers.Integral):
+        raise TypeError(f"recv_rows={recv_rows!r}: expected an int")
+    elif recv_rows < 0:
+        raise ValueError(f"recv_rows={recv_rows}: expected >= 0")
     us = 1.0 / _model.PS_PER_US
     finalize_us = ((recv_rows + meta.num_tokens) * hidden * elem_bytes
                    / (prof.hbm_bandwidth_gbps * 1e3))

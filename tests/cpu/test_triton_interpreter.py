@@ -215,6 +215,27 @@ def _host_tables_mismatch():
             for name, x, y in zip(names, a, b):
                 if x != y:
                     problems.append(f"tp{tp} ep{ep} {routing} call {n}: {name} differ")
+    # A grid so large that the static schedule's int32 wave positions would overflow: the
+    # fused path falls back to the host tile list before it takes anything of the
+    # workspace, with the scratch of the index and block counts (here 1200 index entries,
+    # more than a fresh slot's minimum scratch).
+    case = OpCase(1, 2, num_experts=8, topk=2, tokens_per_rank=[600, 500], routing="uniform",
+                  hidden=48, ffn=16, seed=6, dtype=torch.float32)
+    plan = Plan(num_comm_ctas=2, num_ctas=2**27, source="test")
+    got = {}
+    for mode in ("fused", "steps"):
+        os.environ[HOST_TABLES_ENV] = mode
+        ws = local_workspaces(2, hidden=48, dtype=case.dtype, device="cpu", capacity_rows=4096)
+        h, w2, meta = rank_operands(case, 0)
+        call = _Call(meta, ws[0], plan, hidden=48, dtype=h.dtype, device=h.device,
+                     timeout_s=1.0, tile=INTERPRETER_TILE)
+        if call._tile_list != "host" or call.__dict__["_layout"] is None:
+            problems.append(f"{mode}: no host tile list for a grid of 2**27 CTAs")
+        got[mode] = (call.tiles.tolist(), call.targets.tolist(), call.finalize_base.tolist(),
+                     call.epoch, ws[0].expected_arrivals.tolist())
+    os.environ.pop(HOST_TABLES_ENV)
+    if got["fused"] != got["steps"]:
+        problems.append("the fused path's host-tile-list fallback differs from steps")
     return "; ".join(problems) or None
 
 
