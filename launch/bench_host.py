@@ -24,7 +24,8 @@ for rank 0 of an EP group with uniform routing (`bench.workloads`):
                        call writes them into the staging buffer (C++ extension only)
 
 Use it to compare a change of these steps before and after it on one machine (the numbers
-are this CPU's, not the GPU host's). `--out` appends one JSON row per step.
+are this CPU's, not the GPU host's). `--out` appends one JSON row per step. Without the C++
+layout extension there is no "tables (fused)" step (the call would run "steps").
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
             real, op._StagingSlot.take = op._StagingSlot.take, take
             try:
                 if fused:
-                    call._fused_tables(m, ws, None)
+                    call._fused_tables(m, ws, None, 0)
                 else:
                     call._step_tables(m, ws, None, "device", 0)
             finally:
@@ -194,6 +195,9 @@ def main(argv=None) -> int:
     try:
         if args.out:
             check_launch_inputs(args.out)  # an unwritable --out fails now, not after the timing
+        from megatron_overlap.config import check_environment
+
+        check_environment()  # the fused path's variables, which the steps read
         todo = steps(args.model, args.tokens, args.ep, args.seed)
     except (ValueError, ImportError) as err:
         parser.error(str(err))

@@ -94,7 +94,7 @@ from megatron_overlap.config import (
     FC1_IMPL_ARGUMENT,
     PREREDUCE_ARGUMENT,
     fc1_chunk_bytes,
-    tma_store_enabled,
+    fused_path_settings,
 )
 from megatron_overlap.bench.measure import (
     TIMING_ORDER,
@@ -274,7 +274,8 @@ def parse_alt_env(text: str) -> tuple[str, str] | None:
 
     Raises:
         ValueError: not VAR=VALUE, VAR not one of `ALT_ENV_VARIABLES`, VAR already set to
-            VALUE, or a value the fused path refuses (`megatron_overlap.config.
+            VALUE or to a value of the same effect (`_effective_setting`: e.g. the default
+            spelled out), or a value the fused path refuses (`megatron_overlap.config.
             check_environment` with it set).
     """
     if not text:
@@ -293,9 +294,35 @@ def parse_alt_env(text: str) -> tuple[str, str] | None:
     with alt_environment((var, value)):
         try:
             check_environment()
+            alt = _effective_setting(var)
         except (ValueError, ImportError) as err:
             raise ValueError(f"--alt-env {text!r}: {err}") from None
+    try:
+        current = _effective_setting(var)
+    except (ValueError, ImportError):
+        current = None  # (the launch's own check reports the current value)
+    if alt == current:
+        raise ValueError(f"--alt-env {text!r}: {var}={value!r} means what the current "
+                         f"setting means ({current!r}), so 'on-alt' would run what 'on' "
+                         "runs; give another value")
     return var, value
+
+
+def _effective_setting(var: str):
+    """What the fused path makes of `var` now (`fused_path_settings`, the FC1 chunk, the
+    solver's name, the hardware profile): two values with the same effect compare equal
+    (e.g. unset and the default)."""
+    from megatron_overlap.resource.profile import load_profile
+
+    name = var[len("MEGATRON_OVERLAP_"):].lower()
+    settings = fused_path_settings()
+    if name in settings:
+        return settings[name]
+    if name == "fc1_chunk_mb":
+        return fc1_chunk_bytes()
+    if name == "solver":
+        return implementation_name()
+    return load_profile()  # MEGATRON_OVERLAP_HW_PROFILE
 
 
 @contextlib.contextmanager
@@ -889,7 +916,7 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
     if "on-alt" in ms:  # the settings its forwards ran with (info: the process's)
         with alt_environment(run.alt_env):
             alt_settings = {"fc1_chunk_bytes": fc1_chunk_bytes(),
-                            "tma_store": tma_store_enabled(),
+                            **fused_path_settings(),
                             "resource_solver": implementation_name()}
     for name, times in ms.items():
         flag_on = name in ("on", "on-alt")
@@ -1011,7 +1038,9 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
                 "bias_activation_fusion": run.bias_activation_fusion,
                 "fc1_chunk_bytes": fc1_chunk_bytes(),
-                "tma_store": tma_store_enabled(),  # GEMM2 epilogue: $MEGATRON_OVERLAP_TMA_STORE
+                # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
+                # host_tables, fast_launch
+                **fused_path_settings(),
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,

@@ -93,7 +93,7 @@ from megatron_overlap.config import (  # noqa: E402
     FC1_IMPL_ARGUMENT,
     PREREDUCE_ARGUMENT,
     fc1_chunk_bytes,
-    tma_store_enabled,
+    fused_path_settings,
 )
 from megatron_overlap.resource.solver import implementation_name  # noqa: E402
 
@@ -1032,7 +1032,7 @@ def time_seq(
     device: torch.device,
     progress: Any,
 ) -> dict:
-    """Warm up, then time alternating forwards (off, on, off-grouped, off, on, ...) on the
+    """Warm up, then time rounds of one forward of each model (`measure.round_order`) on the
     same inputs.
 
     Returns:
@@ -1436,7 +1436,9 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "fc1_impl": run.fc1_impl,  # the flag-on experts' FC1 setting
         "bias_activation_fusion": run.bias_activation_fusion,
         "fc1_chunk_bytes": fc1_chunk_bytes(),
-        "tma_store": tma_store_enabled(),  # the GEMM2 epilogue ($MEGATRON_OVERLAP_TMA_STORE)
+        # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
+        # host_tables, fast_launch
+        **fused_path_settings(),
         "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
         "backend": backend,
         "reference": reference_used,

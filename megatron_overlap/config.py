@@ -75,6 +75,21 @@ def check_environment() -> None:
     fc1_chunk_bytes()
 
 
+def fused_path_settings() -> dict:
+    """The effective values of the fused path's per-call variables, as the benchmarks'
+    rows record them: {"tma_store": bool, "tile_list": "device" | "host", "host_tables":
+    "fused" | "steps", "fast_launch": "0" | "1" | "direct"} (unset and empty read as the
+    defaults).
+
+    Raises:
+        ValueError: a bad value (as `check_environment`).
+    """
+    from megatron_overlap.kernels.launch import fast_launch_mode
+
+    return {"tma_store": tma_store_enabled(), "tile_list": tile_list_source(),
+            "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode()}
+
+
 FC1_CHUNK_MAX_MB = 2**30
 """Largest accepted `MEGATRON_OVERLAP_FC1_CHUNK_MB` (1 PiB: no limit in practice)."""
 

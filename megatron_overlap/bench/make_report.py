@@ -36,7 +36,9 @@ Common fields:
   model (configs/models name), layout ("tp{T}/ep{E}/dp{D}/sp{0|1}"), world_size, tp, ep, dp,
   sequence_parallel, micro_batch_size, dtype ("bf16" | "fp32"), seq_length (tokens per
   sequence), global_tokens (tokens through the layer/model per forward, all ranks),
-  variant ("on" | "off" | "off-grouped" | "off-te"), label (exact description of the
+  variant ("on" | "off" | "off-grouped" | "off-te"; layer rows also "on-alt", the flag-on
+  layer with `alt_env`, "VAR=VALUE", set around its forwards: `bench_layer.py --alt-env`,
+  left out of the speedups, targets and the settings' mix check), label (exact description of the
   variant, `megatron_overlap.bench.baselines.label`), experts_impl (what its experts ran:
   grouped GEMM implementation or loop, FC2 weight view or stack), moe_gatherrs_overlap
   (bool), backend_requested, backend ("triton" | "reference" for "on", "megatron-alltoall"
@@ -55,7 +57,9 @@ Common fields:
   in that process, "cpp" | "python", `resource.solver.implementation_name`; absent
   before v4.9's eed19ee), tma_store (the run's `MEGATRON_OVERLAP_TMA_STORE`, in every
   row of the run: the GEMM2 epilogue's stores through TMA descriptors, which act only
-  where the flag-on variant runs the Triton backend; absent before v5.2), timing_order
+  where the flag-on variant runs the Triton backend; absent before v5.2), tile_list /
+  host_tables / fast_launch (the run's `MEGATRON_OVERLAP_TILE_LIST` / `_HOST_TABLES` /
+  `_FAST_LAUNCH`, effective values; absent before v5.4), timing_order
   (the variants' order in the timed rounds: "williams", `bench.measure.round_order`, from
   v5.4; absent before, when bench_layer rotated the order every round and prefill kept
   off, on, off-grouped, so every variant had the same predecessor in every round),
@@ -608,7 +612,7 @@ def environment_section(rows: list[dict]) -> str:
 
 
 SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes",
-                  "tma_store", "timing_order")
+                  "tma_store", "tile_list", "host_tables", "fast_launch", "timing_order")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
 in older rows: shown as "-")."""
 
@@ -616,12 +620,18 @@ in older rows: shown as "-")."""
 def settings_section(rows: list[dict]) -> str:
     """The runs' settings (`SETTING_FIELDS`) per benchmark with their row counts, and a
     warning for a benchmark whose rows mix settings (its tables then compare workloads
-    measured under different settings)."""
+    measured under different settings). "on-alt" rows (`--alt-env`: their own settings by
+    design, in no table) are left out and counted below the table."""
+    alt = sum(1 for row in rows if row.get("variant") == "on-alt")
+    rows = [row for row in rows if row.get("variant") != "on-alt"]
     combos = Counter((row["benchmark"],) + tuple(
         "-" if row.get(f) is None else str(row.get(f)).lower() for f in SETTING_FIELDS)
         for row in rows)
     lines = [list(key) + [str(n)] for key, n in sorted(combos.items())]
     text = _table(["benchmark", *SETTING_FIELDS, "rows"], lines)
+    if alt:
+        text += (f"\n\n({alt} 'on-alt' rows, `--alt-env` A/Bs with their own settings, are "
+                 "left out of this table.)")
     settings_per_benchmark = Counter(key[0] for key in combos)
     for benchmark in sorted(b for b, n in settings_per_benchmark.items() if n > 1):
         text += (f"\n\n**Warning:** the {benchmark} rows mix settings: its tables compare "

@@ -324,6 +324,23 @@ def test_alt_env_refuses_bad_values(value, message, monkeypatch):
     assert os.environ["MEGATRON_OVERLAP_FAST_LAUNCH"] == "0"
 
 
+@pytest.mark.parametrize("value", ["MEGATRON_OVERLAP_HOST_TABLES=fused",
+                                   "MEGATRON_OVERLAP_HOST_TABLES=",
+                                   "MEGATRON_OVERLAP_FAST_LAUNCH=1",
+                                   "MEGATRON_OVERLAP_TILE_LIST=device",
+                                   "MEGATRON_OVERLAP_TMA_STORE=0"])
+def test_alt_env_refuses_a_value_of_the_same_effect(value, monkeypatch):
+    """A value that means what the current setting means (here: the default spelled out,
+    or empty for unset) would make 'on-alt' run what 'on' runs: refused."""
+    module = _module()
+    for name in ("HOST_TABLES", "FAST_LAUNCH", "TILE_LIST", "TMA_STORE"):
+        monkeypatch.delenv(f"MEGATRON_OVERLAP_{name}", raising=False)
+    with pytest.raises(ValueError, match="means what the current setting means"):
+        module.parse_alt_env(value)
+    assert module.parse_alt_env("MEGATRON_OVERLAP_HOST_TABLES=steps") == (
+        "MEGATRON_OVERLAP_HOST_TABLES", "steps")
+
+
 def test_alt_env_once(capsys):
     module = _module()
     with pytest.raises(SystemExit):
