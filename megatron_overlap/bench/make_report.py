@@ -632,6 +632,16 @@ def settings_section(rows: list[dict]) -> str:
     if alt:
         text += (f"\n\n({alt} 'on-alt' rows, `--alt-env` A/Bs with their own settings, are "
                  "left out of this table.)")
+    untimed = sorted({row["benchmark"] for row in rows if row.get("timing_order") is None})
+    if untimed:
+        text += ("\n\n**Note:** the " + " and ".join(untimed) + " rows predate v5.4's "
+                 "balanced timing order (no `timing_order`): every variant then had the same "
+                 "predecessor in every round (layer: `off-grouped` right after `on`, `on` "
+                 "right after `off`; prefill: off, on, off-grouped), which favours "
+                 "`off-grouped` where the host paces the forward (measured for the layer "
+                 "at EP1 4096 on one H200: 0.2-0.5 ms per forward; for prefill, where each "
+                 "layer follows the same model's previous one, smaller and not measured; "
+                 "docs/perf_notes.md v5.4).")
     settings_per_benchmark = Counter(key[0] for key in combos)
     for benchmark in sorted(b for b, n in settings_per_benchmark.items() if n > 1):
         text += (f"\n\n**Warning:** the {benchmark} rows mix settings: its tables compare "

@@ -288,6 +288,9 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
           for v in ("on", "off", "on-alt")]
     text = mr.settings_section(ab)
     assert "Warning" not in text and "(1 'on-alt' rows" in text, text
+    assert "**Note:** the layer rows predate v5.4's balanced timing order" in text, text
+    balanced = [dict(r, timing_order="williams") for r in ab]
+    assert "predate" not in mr.settings_section(balanced)
     assert "| layer | - | - | - | - | false | - | - | - | - | 2 |" in text, text
 
 
