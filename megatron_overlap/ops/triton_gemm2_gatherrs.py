@@ -768,7 +768,10 @@ class _Call:
             self._num_segments = n_seg
             self._layout = None  # `layout` computes it where asked
             self._tile_list = self._wave_plan("device")
-        if self._tile_list == "host":  # (`_step_tables` releases this slot, unused)
+        if self._tile_list == "host":
+            # Nothing of the workspace taken yet: this slot goes back (unused), the tables
+            # are built for the host tile list.
+            slot.busy, self._slot = False, None
             return self._step_tables(meta, ws, stream, "host", scratch_head)
         ws.ensure_capacity(recv_max)
         self.epoch = ws.next_epoch()
@@ -815,8 +818,6 @@ class _Call:
             # staging slot of the workspace when there is one (`_StagingSlot`), else a slot
             # of this call's own, not kept by the workspace.
             slot, kept = _StagingSlot.take(ws, self.device, tables, scratch_head, stream)
-            if self.__dict__.get("_slot") is not None:  # a fused attempt's: unused
-                self._slot.busy = False
             self._slot = slot if kept else None
             buf = slot.host_np
             buf[:r2] = targets.astype(np.int64).view(np.int32)
