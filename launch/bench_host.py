@@ -22,6 +22,9 @@ for rank 0 of an EP group with uniform routing (`bench.workloads`):
                        totals, the copies into the staging buffer, the call's sizes
   tables (fused)       the same with the default "fused": one `_layout.direct_tables`
                        call writes them into the staging buffer (C++ extension only)
+  env (os.environ)     the ten reads of the fused path's variables that a flag-on forward
+                       does (`FORWARD_ENV_READS`), with `os.environ.get`
+  env (getenv)         the same with `megatron_overlap._host.getenv` (the path's reader)
 
 Use it to compare a change of these steps before and after it on one machine (the numbers
 are this CPU's, not the GPU host's). `--out` appends one JSON row per step. Without the C++
@@ -76,6 +79,16 @@ def time_step(fn, thrash, rounds: int) -> tuple[float, float]:
         fn()
         warm.append(time.perf_counter() - t0)
     return statistics.median(cold) * 1e6, statistics.median(warm) * 1e6
+
+
+FORWARD_ENV_READS = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_SOLVER",
+                     "MEGATRON_OVERLAP_HW_PROFILE", "MEGATRON_OVERLAP_TMA_STORE",
+                     "MEGATRON_OVERLAP_TILE_LIST", "MEGATRON_OVERLAP_HOST_TABLES",
+                     "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_FAST_LAUNCH",
+                     "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_FC1_CHUNK_MB")
+"""The variables one flag-on direct-mode forward reads, in order (the default tile twice,
+the plan's solver and profile, the call's tile list and tables, three launches, the FC1's
+chunk)."""
 
 
 def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
@@ -174,6 +187,16 @@ def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
 
     if _layout_cpp is not None:
         todo["tables (fused)"] = tables(True)
+    from megatron_overlap._host import getenv
+
+    def env(read):
+        def run():
+            for name in FORWARD_ENV_READS:
+                read(name, "")
+        return run
+
+    todo["env (os.environ)"] = env(os.environ.get)
+    todo["env (getenv)"] = env(getenv)
     return todo
 
 

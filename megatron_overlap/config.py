@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from megatron_overlap._host import HOST_CACHE_ENV, getenv  # noqa: F401 (re-export)
 
 BACKENDS = ("auto", "triton", "reference")
 """Values accepted for `GatherRSOptions.backend`."""
@@ -56,7 +57,7 @@ def check_environment() -> None:
     check) instead of at the first GPU launch: `MEGATRON_OVERLAP_TILE_LIST`,
     `MEGATRON_OVERLAP_TMA_STORE`, `MEGATRON_OVERLAP_FAST_LAUNCH`,
     `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FC1_CHUNK_MB`,
-    `MEGATRON_OVERLAP_HOST_TABLES`.
+    `MEGATRON_OVERLAP_HOST_TABLES`, `MEGATRON_OVERLAP_HOST_CACHE`.
 
     Raises:
         ValueError: a bad value (the message names the variable and what it accepts).
@@ -68,6 +69,7 @@ def check_environment() -> None:
 
     tile_list_source()
     host_tables_mode()
+    host_cache_enabled()
     tma_store_enabled()
     fast_launch_enabled()
     load_profile()
@@ -78,8 +80,8 @@ def check_environment() -> None:
 def fused_path_settings() -> dict:
     """The effective values of the fused path's per-call variables, as the benchmarks'
     rows record them: {"tma_store": bool, "tile_list": "device" | "host", "host_tables":
-    "fused" | "steps", "fast_launch": "0" | "1" | "direct"} (unset and empty read as the
-    defaults).
+    "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache": bool} (unset and
+    empty read as the defaults).
 
     Raises:
         ValueError: a bad value (as `check_environment`).
@@ -87,7 +89,8 @@ def fused_path_settings() -> dict:
     from megatron_overlap.kernels.launch import fast_launch_mode
 
     return {"tma_store": tma_store_enabled(), "tile_list": tile_list_source(),
-            "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode()}
+            "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode(),
+            "host_cache": host_cache_enabled()}
 
 
 FC1_CHUNK_MAX_MB = 2**30
@@ -107,7 +110,7 @@ def fc1_chunk_bytes() -> int:
         ValueError: the variable is set to something other than a number in
             (0, FC1_CHUNK_MAX_MB].
     """
-    raw = os.environ.get(FC1_CHUNK_ENV, "")
+    raw = getenv(FC1_CHUNK_ENV, "")
     if not raw:
         return 128 * 2**20
     try:
@@ -126,7 +129,7 @@ def tile_list_source() -> str:
     Raises:
         ValueError: any other value than "device" or "host".
     """
-    value = os.environ.get(TILE_LIST_ENV, "device") or "device"
+    value = getenv(TILE_LIST_ENV, "device") or "device"
     if value not in ("device", "host"):
         raise ValueError(f"{TILE_LIST_ENV}={value!r}: expected 'device' or 'host'")
     return value
@@ -139,12 +142,26 @@ def host_tables_mode() -> str:
     Raises:
         ValueError: any other value than "fused" or "steps".
     """
-    value = os.environ.get(HOST_TABLES_ENV, "")
+    value = getenv(HOST_TABLES_ENV, "")
     if value in ("", "fused"):
         return "fused"
     if value != "steps":
         raise ValueError(f"{HOST_TABLES_ENV}={value!r}: expected 'fused' or 'steps'")
     return value
+
+
+def host_cache_enabled() -> bool:
+    """$MEGATRON_OVERLAP_HOST_CACHE: whether the host shortcuts of `megatron_overlap._host`
+    (the environment read from `os.environ`'s own mapping, the current CUDA stream object
+    cached by its raw handle) run; True when unset or empty, False for "0".
+
+    Raises:
+        ValueError: any other value than "0" or "1".
+    """
+    value = getenv(HOST_CACHE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{HOST_CACHE_ENV}={value!r}: expected '0' or '1'")
+    return value != "0"
 
 
 TMA_STORE_DEFAULT = False
@@ -158,7 +175,7 @@ def tma_store_enabled() -> bool:
     Raises:
         ValueError: any other value than "0" or "1".
     """
-    value = os.environ.get(TMA_STORE_ENV, "")
+    value = getenv(TMA_STORE_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{TMA_STORE_ENV}={value!r}: expected '0' or '1'")
     return TMA_STORE_DEFAULT if value == "" else value == "1"

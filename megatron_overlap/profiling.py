@@ -41,6 +41,9 @@ class _HostSpan:
             _HOST_TIMES[self.name].append(time.perf_counter() - self.t0)
 
 
+_NOTHING = contextlib.nullcontext()  # reusable and reentrant: one for every no-op span
+
+
 def span(name: str):
     """A context manager: `record_function(name)` under an active profiler, a host timer
     inside `host_times()`, else nothing."""
@@ -48,7 +51,7 @@ def span(name: str):
         return _HostSpan(name)
     if _profiler_on():
         return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 @contextlib.contextmanager

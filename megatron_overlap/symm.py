@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_overlap._host import current_stream
+
 
 def _symmetric_tensor(shape, dtype, device, group):
     """A zeroed tensor in symmetric memory and its peers' addresses as int64 [R] on device."""
@@ -283,7 +285,7 @@ class GatherRSWorkspace:
         self._error_host.copy_(self.error, non_blocking=True)
         if self._error_event is None:
             self._error_event = torch.cuda.Event()
-        self._error_event.record(torch.cuda.current_stream(self.device) if stream is None
+        self._error_event.record(current_stream(self.device) if stream is None
                                  else stream)
 
     def check_errors(self, block: bool = True) -> None:

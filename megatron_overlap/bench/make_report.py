@@ -59,7 +59,8 @@ Common fields:
   row of the run: the GEMM2 epilogue's stores through TMA descriptors, which act only
   where the flag-on variant runs the Triton backend; absent before v5.2), tile_list /
   host_tables / fast_launch (the run's `MEGATRON_OVERLAP_TILE_LIST` / `_HOST_TABLES` /
-  `_FAST_LAUNCH`, effective values; absent before v5.4), timing_order
+  `_FAST_LAUNCH`, effective values; absent before v5.4), host_cache (the run's
+  `MEGATRON_OVERLAP_HOST_CACHE`, effective: bool; absent before v5.5), timing_order
   (the variants' order in the timed rounds: "williams", `bench.measure.round_order`, from
   v5.4; absent before, when bench_layer rotated the order every round and prefill kept
   off, on, off-grouped, so every variant had the same predecessor in every round),
@@ -612,7 +613,8 @@ def environment_section(rows: list[dict]) -> str:
 
 
 SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes",
-                  "tma_store", "tile_list", "host_tables", "fast_launch", "timing_order")
+                  "tma_store", "tile_list", "host_tables", "fast_launch", "host_cache",
+                  "timing_order")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
 in older rows: shown as "-")."""
 

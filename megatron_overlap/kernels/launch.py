@@ -44,10 +44,11 @@ launch site would save the difference.
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Any, Dict, Tuple
 
 import torch
+
+from megatron_overlap._host import getenv
 
 FAST_LAUNCH_ENV = "MEGATRON_OVERLAP_FAST_LAUNCH"
 """Environment variable: "0" launches through Triton's JIT every time; "1" or unset: reuse
@@ -61,7 +62,7 @@ def fast_launch_mode() -> str:
     Raises:
         ValueError: any other value.
     """
-    value = os.environ.get(FAST_LAUNCH_ENV, "")
+    value = getenv(FAST_LAUNCH_ENV, "")
     if value not in ("", "0", "1", "direct"):
         raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '0', '1' or 'direct'")
     return value or "1"

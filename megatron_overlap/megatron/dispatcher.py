@@ -28,6 +28,7 @@ from megatron.core.transformer.moe import token_dispatcher as _megatron_dispatch
 from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from megatron_overlap._host import current_stream
 from megatron_overlap.config import check_environment
 from megatron_overlap.metadata import (
     GatherRSMetadata,
@@ -210,7 +211,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             host = self._counts_pinned = refill(self._counts_pinned, counts, pin_memory=True)
             if self._counts_event is None:
                 self._counts_event = torch.cuda.Event()
-            self._counts_event.record()
+            self._counts_event.record(current_stream(counts.device))
             self._counts_ready = self._counts_event
             self._counts_host = host
         else:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from megatron_overlap._host import current_stream
 from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
 from megatron_overlap.config import host_tables_mode, tma_store_enabled
 from megatron_overlap.kernels import gemm2_gatherrs as k
@@ -515,7 +516,7 @@ class _StagingSlot:
         if ws.stream is None:
             return None  # the first call
         if stream is None:
-            stream = torch.cuda.current_stream(ws.device)
+            stream = current_stream(ws.device)
         if stream != ws.stream:
             return None  # another stream than the workspace's
         for slot in ring:
@@ -595,7 +596,7 @@ class _StagingSlot:
             self.dev_view.copy_(self.host_view)
             return
         if stream is None:
-            stream = torch.cuda.current_stream(device)
+            stream = current_stream(device)
         # normal tensors (made outside inference mode): in place in either mode
         self.dev_view.copy_(self.host_view, non_blocking=True)
         if self.event is None:
@@ -684,7 +685,7 @@ class _Call:
         n_counts = nb * num_experts
         index_shape = (meta.num_tokens, kmax * meta.tp_size)
         n_index = _align4(index_shape[0] * index_shape[1])
-        stream = torch.cuda.current_stream(device) if self.gpu else None
+        stream = current_stream(device) if self.gpu else None
         head = n_index + _align4(n_counts)  # the scratch before the device tile list
         if (tile_list == "device" and _layout_cpp is not None
                 and meta.routed_counts is not None and host_tables_mode() == "fused"):
@@ -862,7 +863,7 @@ class _Call:
         slot = self.__dict__.get("_slot")
         if slot is not None:
             if stream is None:
-                stream = torch.cuda.current_stream(self.device)
+                stream = current_stream(self.device)
             if stream != self.ws.stream:
                 slot.fence(stream)
 
@@ -904,7 +905,7 @@ class _Call:
                 f"{self.device}; got h {shapes[0]} {getattr(h, 'dtype', '')} on "
                 f"{getattr(h, 'device', '')}, w2 {shapes[1]} {getattr(w2, 'dtype', '')}")
         self.ws.start_send(self.epoch,
-                           torch.cuda.current_stream(self.device) if self.gpu else None)
+                           current_stream(self.device) if self.gpu else None)
         self.h, self.w2 = h.contiguous(), w2.contiguous()
         self._alloc_local()
         row_bytes = self.h.shape[1] * self.h.element_size()
@@ -1033,7 +1034,7 @@ class _Call:
             self.timeout, ws.error, C=self.index.shape[1], BT=bt, BH=bh, USE_TIMER=self.gpu,
             SIGNAL_FREE=signal_free, num_warps=4,
         )
-        self._stream = torch.cuda.current_stream(self.device) if self.gpu else None
+        self._stream = current_stream(self.device) if self.gpu else None
         self._fence_slot(self._stream)
         if self.gpu and self.local is not None and self._stream != ws.stream:
             # Read here on another stream than the one it was allocated on: the caching

@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_overlap._host import current_stream
 from megatron_overlap.config import tile_list_source
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.kernels.launch import FastLauncher
@@ -204,7 +205,7 @@ class PreReducedCall(_Call):
             # targets (int64 as int32 pairs), the send table and the index bases, the
             # segments (or the tiles).
             tables = (r2, send.size + base.size, table.size)
-            stream = torch.cuda.current_stream(device) if self.gpu else None
+            stream = current_stream(device) if self.gpu else None
             slot, kept = _StagingSlot.take(ws, device, tables, sum(sizes), stream)
             self._slot = slot if kept else None
             buf = slot.host_np

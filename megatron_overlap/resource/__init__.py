@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import numbers
-import os
 
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
+from megatron_overlap._host import getenv
 from megatron_overlap.config import SOLVER_ENV, GatherRSOptions
 from megatron_overlap.metadata import GatherRSMetadata
 from megatron_overlap.resource import model as _model
@@ -281,7 +281,7 @@ def plan_gemm2_gatherrs(
     else:
         # cached: everything here depends only on these (and the two variables) per process
         impl, prof, o_p = _cached_static_inputs(
-            solver, os.environ.get(SOLVER_ENV), profile, os.environ.get(PROFILE_ENV), res)
+            solver, getenv(SOLVER_ENV), profile, getenv(PROFILE_ENV), res)
     grid = num_sms * o_p
 
     for name, value in (("hidden", hidden), ("ffn", ffn)):  # checked even where unused

@@ -356,7 +356,8 @@ def test_bench_host_times_every_step(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["step"] for r in rows] == ["triton_metadata", "plan (direct)", "plan (auto)",
                                          "direct_layout", "host tile list", "tables (steps)",
-                                         "tables (fused)"]
+                                         "tables (fused)", "env (os.environ)",
+                                         "env (getenv)"]
     assert all(r["cold_us"] > 0 and r["warm_us"] > 0 and r["rounds"] == 2 for r in rows)
     assert "cold/warm" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:  # 60 experts do not split over 7 ranks

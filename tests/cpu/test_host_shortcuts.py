@@ -1,0 +1,93 @@
+"""`megatron_overlap._host`: the environment reader and the current-stream cache give what
+the plain calls give (the stream cache with a stand-in for the CUDA calls here; on a GPU in
+tests/gpu/test_triton_gpu.py), and $MEGATRON_OVERLAP_HOST_CACHE turns them off."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+
+from megatron_overlap import _host, config
+
+NAME = "MEGATRON_OVERLAP_TEST_HOST_VARIABLE"
+
+
+@pytest.mark.parametrize("cache", ["", "0", "1"])
+def test_getenv_reads_what_os_environ_reads(monkeypatch, cache):
+    monkeypatch.setenv(_host.HOST_CACHE_ENV, cache)
+    monkeypatch.delenv(NAME, raising=False)
+    assert _host.getenv(NAME) is None
+    assert _host.getenv(NAME, "dflt") == "dflt"
+    for value in ("", "device", "1", "caf\u00e9", "a=b c"):
+        monkeypatch.setenv(NAME, value)
+        assert _host.getenv(NAME, "dflt") == os.environ.get(NAME, "dflt") == value
+    with mock.patch.dict(os.environ, {NAME: "patched"}):
+        assert _host.getenv(NAME) == "patched"
+    assert _host.getenv(NAME) == "a=b c"  # the patch undone
+    monkeypatch.delenv(NAME)
+    assert _host.getenv(NAME, "gone") == "gone"
+    with pytest.raises(TypeError):
+        _host.getenv(b"MEGATRON_OVERLAP_TILE_LIST")  # as os.environ.get refuses bytes
+
+
+@pytest.mark.parametrize("value, expected", [("", True), ("1", True), ("0", False),
+                                             ("yes", None), ("off", None)])
+def test_host_cache_variable(monkeypatch, value, expected):
+    """"0" or "1" (default on); anything else is refused by `host_cache_enabled` and by
+    `check_environment`, naming the variable; `fused_path_settings` records it."""
+    monkeypatch.setenv(config.HOST_CACHE_ENV, value)
+    if expected is None:
+        for check in (config.host_cache_enabled, config.check_environment):
+            with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_HOST_CACHE={value!r}: "
+                                                 "expected '0' or '1'"):
+                check()
+        return
+    assert config.host_cache_enabled() is expected
+    assert config.fused_path_settings()["host_cache"] is expected
+    config.check_environment()
+
+
+class _FakeCuda:
+    """Stand-ins for torch's current-stream calls: `raw[device]` is the current raw handle;
+    `current_stream` returns a new object per call, as torch does."""
+
+    def __init__(self):
+        self.raw = {0: 0, 1: 0}
+        self.made = 0
+
+    def raw_stream(self, index):
+        return self.raw[index]
+
+    def current_stream(self, index=None):
+        self.made += 1
+        return ("stream", index, self.raw[index], self.made)
+
+
+def test_current_stream_is_cached_by_raw_handle(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(_host, "_RAW_STREAM", fake.raw_stream)
+    monkeypatch.setattr(_host, "_STREAMS", {})
+    monkeypatch.setattr(_host.torch.cuda, "current_stream", fake.current_stream)
+    monkeypatch.setattr(_host.torch.cuda, "current_device", lambda: 1)
+    monkeypatch.delenv(_host.HOST_CACHE_ENV, raising=False)
+    device0 = _host.torch.device("cuda", 0)
+    first = _host.current_stream(device0)
+    assert _host.current_stream(device0) is first and _host.current_stream(0) is first
+    fake.raw[0] = 0x7F00  # another stream made current on device 0
+    second = _host.current_stream(device0)
+    assert second is not first and second[2] == 0x7F00
+    assert _host.current_stream(device0) is second
+    fake.raw[0] = 0  # back to the default stream: a fresh object for it
+    third = _host.current_stream(device0)
+    assert third[2] == 0 and _host.current_stream(device0) is third
+    # None and a device without an index: the current device (1 here), cached apart
+    other = _host.current_stream(None)
+    assert other[1] == 1 and _host.current_stream(_host.torch.device("cuda")) is other
+    assert _host.current_stream(device0) is third
+    # turned off: the plain call every time
+    monkeypatch.setenv(_host.HOST_CACHE_ENV, "0")
+    made = fake.made
+    assert _host.current_stream(device0) is not _host.current_stream(device0)
+    assert fake.made == made + 2
