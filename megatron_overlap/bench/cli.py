@@ -153,12 +153,14 @@ def layout_label(tp: int, ep: int) -> str:
 def check_launch_inputs(out: str, flag: str = "--out") -> None:
     """What every launcher checks before any work: each `MEGATRON_OVERLAP_*` variable
     (`megatron_overlap.config.check_environment`), that the results file `out` does not
-    name a directory, and that its folder exists or can be created (created here; otherwise
-    found only when the rows are written).
+    name a directory, that its folder exists or can be created (created here), and that
+    the file can be opened for appending (otherwise found only when the rows are written;
+    a file made for the check is removed).
 
     Raises:
-        ValueError: a bad variable, `out` is an existing directory, or its folder cannot be
-            created (a path component is a file, no permission; the OS's reason named).
+        ValueError: a bad variable, `out` is an existing directory, its folder cannot be
+            created (a path component is a file, no permission; the OS's reason named), or
+            the file cannot be written.
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
     from megatron_overlap.config import check_environment
@@ -177,6 +179,20 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
                              f"({err.strerror})") from None
         if os.path.isdir(out):  # e.g. "new/../results": a directory once "new" exists
             raise ValueError(f"{flag} {out!r} is a directory: give a file path")
+    # Writable? (a folder can exist and still refuse files: no permission, a read-only or
+    # special file system such as /proc.) Opened for appending, as the rows will be; a file
+    # made only for this check is removed again.
+    existed = os.path.exists(out)
+    try:
+        with open(out, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {out!r} cannot be written ({err.strerror})") from None
+    if not existed:
+        try:
+            os.remove(out)
+        except OSError:
+            pass
 
 
 def available_host_bytes() -> int | None:

@@ -653,9 +653,9 @@ def settings_section(rows: list[dict]) -> str:
 
 def commands_section(rows: list[dict], paths: Sequence[str], out: str,
                      breakdown_paths: Sequence[str] = (),
-                     breakdown_rows: Sequence[dict] = ()) -> str:
+                     breakdown_rows: Sequence[dict] = (), flags: Sequence[str] = ()) -> str:
     """The launch commands recorded in the rows (the breakdown rows' too), and the command
-    that made this report."""
+    that made this report (`flags`: its switches, e.g. "--include-cpu", "--no-plots")."""
     commands = sorted({row["command"] for row in list(rows) + list(breakdown_rows)
                        if row.get("command")})
     text = "Benchmarks (as recorded in the rows; each after `source scripts/device_setup.sh`):\n\n"
@@ -664,7 +664,7 @@ def commands_section(rows: list[dict], paths: Sequence[str], out: str,
     text += " ".join(shlex.quote(p) for p in paths)
     if breakdown_paths:
         text += " --breakdown " + " ".join(shlex.quote(p) for p in breakdown_paths)
-    text += f" --out {shlex.quote(out)}\n```"
+    text += f" --out {shlex.quote(out)}" + "".join(f" {f}" for f in flags) + "\n```"
     return text
 
 
@@ -677,7 +677,7 @@ def disagreements(rows: list[dict]) -> list[str]:
 
 def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
            plots: dict, breakdown_rows: Sequence[dict] = (),
-           breakdown_paths: Sequence[str] = ()) -> str:
+           breakdown_paths: Sequence[str] = (), flags: Sequence[str] = ()) -> str:
     """The whole report as markdown.
 
     Args:
@@ -687,6 +687,8 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
         plots: {benchmark: PNG file name relative to the report, or None}.
         breakdown_rows, breakdown_paths: rows with host breakdowns (`--breakdown`) and
             their files; their section follows the layer's tables.
+        flags: the report command's switches (`--include-cpu`, `--no-plots`), for the
+            regeneration command.
     """
     parts = ["# Benchmark report: MoE layer and full-model prefill, flag on vs off", ""]
     parts.append(
@@ -735,7 +737,7 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
     parts += ["", "## Run settings", "", settings_section(rows)]
     parts += ["", "## Hardware and software", "", environment_section(rows)]
     parts += ["", "## Commands", "", commands_section(rows, paths, out, breakdown_paths,
-                                                     breakdown_rows), ""]
+                                                     breakdown_rows, flags), ""]
     return "\n".join(parts)
 
 
@@ -879,8 +881,10 @@ def main(argv: list[str] | None = None) -> int:
             png = out.with_name(f"{out.stem}_{benchmark}.png")
             if groups and not args.no_plots and plot(groups, benchmark, str(png)):
                 plots[benchmark] = png.name
+        flags = [flag for flag, on in (("--include-cpu", args.include_cpu),
+                                       ("--no-plots", args.no_plots)) if on]
         out.write_text(render(rows, notes, args.jsonl, args.out, plots, breakdown_rows,
-                              args.breakdown))
+                              args.breakdown, flags))
     except OSError as err:
         print(f"make_report: cannot write {args.out} or its PNGs: {err}", file=sys.stderr)
         return 2

@@ -164,6 +164,7 @@ def test_disagreement_is_listed(tmp_path):
     out = tmp_path / "r.md"
     assert mr.main([str(data), "--out", str(out), "--no-plots"]) == 0
     text = out.read_text()
+    assert f"make_report {data} --out {out} --no-plots\n" in text  # the switch kept
     assert "* layer qwen3-30b-a3b tp1/ep2/dp2/sp0 seq 4096 on:" in text
     assert "| NO |" in text and not (tmp_path / "r_layer.png").exists()
 
@@ -291,7 +292,7 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
     assert "**Note:** the layer rows predate v5.4's balanced timing order" in text, text
     balanced = [dict(r, timing_order="williams") for r in ab]
     assert "predate" not in mr.settings_section(balanced)
-    assert "| layer | - | - | - | - | false | - | - | - | - | 2 |" in text, text
+    assert "| layer | - | - | - | - | false | - | - | - | - | - | 2 |" in text, text
 
 
 def _breakdown_rows():
@@ -346,7 +347,7 @@ def test_breakdown_section(tmp_path):
     report = out.read_text()
     assert "## Where the host time goes (MoE layer)" in report and "cmd-breakdown" in report
     assert report.index("## Where the host time goes") < report.index("## Variants, exactly")
-    assert f"make_report {grid} --breakdown {extra} --out {out}" in report
+    assert f"make_report {grid} --breakdown {extra} --out {out} --no-plots\n" in report
     # the grid's qwen3 workload keeps the grid's times (10 ms), not the breakdown run's
     assert "| qwen3-30b-a3b | tp1/ep2/dp2/sp0 | 4096 | 10.000 |" in report
 
@@ -394,6 +395,10 @@ def test_breakdown_needs_usable_rows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         mr.main([str(grid), "--breakdown", str(cpu), "--out", out, "--no-plots"])
     assert "2 CPU rows were dropped (--include-cpu keeps them)" in capsys.readouterr().err
+    assert mr.main([str(grid), "--breakdown", str(cpu), "--out", out, "--include-cpu",
+                    "--no-plots"]) == 0  # kept, and the regeneration command says so
+    assert (f"make_report {grid} --breakdown {cpu} --out {out} --include-cpu --no-plots\n"
+            in (tmp_path / "r.md").read_text())
     # the section also comes with grid rows of the prefill only
     prefill = tmp_path / "prefill.jsonl"
     prefill.write_text("\n".join(json.dumps(r) for r in _prefill_rows()) + "\n")

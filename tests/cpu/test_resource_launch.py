@@ -219,6 +219,8 @@ def test_regret_summary_table_and_plot(tmp_path):
     ("trace_summary.py", ["t.json", "--top", "0"], "--top: '0': expected an integer >= 1"),
     ("trace_summary.py", ["t.json", "--gap-us", "nan"], "--gap-us: 'nan': expected finite"),
     ("profile_call.py", ["--tokens", "x"], "--tokens: 'x'"),
+    ("bench_host.py", ["--out", "/proc/rows.jsonl"], "cannot be written"),
+    ("bench_layer.py", ["--out", "/proc/rows.jsonl"], "cannot be written"),
 ])
 def test_launchers_reject_bad_values(script, args, message, tmp_path):
     import subprocess
