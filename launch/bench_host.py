@@ -26,6 +26,19 @@ for rank 0 of an EP group with uniform routing (`bench.workloads`):
                        does (`FORWARD_ENV_READS`), with `os.environ.get`
   env (getenv)         the same with `megatron_overlap._host.getenv` (the path's reader)
 
+With `--gpu` (CUDA only) it times instead the whole host side of one world-1 combine call
+as the dispatcher runs it (plan, `prepare_gemm2_gatherrs`, `send`, `finish`: tables,
+upload and the three kernel launches; the GPU work itself is queued, not waited for),
+under several settings of the fused path's per-call variables, one after another in this
+process (`GPU_VARIANTS`):
+
+  combine (default)             as configured
+  combine (HOST_CACHE=0)        MEGATRON_OVERLAP_HOST_CACHE=0: `os.environ` reads and a new
+                                stream object per `torch.cuda.current_stream`
+  combine (FAST_LAUNCH=0)       every launch through Triton's JIT entry point
+  combine (FAST_LAUNCH=direct)  cached kernels through their C launchers
+  finalize launch               `_Call.finalize` of one call again (it sums again)
+
 Use it to compare a change of these steps before and after it on one machine (the numbers
 are this CPU's, not the GPU host's). `--out` appends one JSON row per step. Without the C++
 layout extension there is no "tables (fused)" step (the call would run "steps").
@@ -34,6 +47,7 @@ layout extension there is no "tables (fused)" step (the call would run "steps").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -66,11 +80,21 @@ class _Thrash:
         return total
 
 
-def time_step(fn, thrash, rounds: int) -> tuple[float, float]:
-    """(cold, warm) median microseconds of `fn()` over `rounds` rounds."""
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def time_step(fn, thrash, rounds: int, sync=None) -> tuple[float, float]:
+    """(cold, warm) median microseconds of `fn()` over `rounds` rounds. `sync` (e.g.
+    `torch.cuda.synchronize`) runs before each thrash, so that no queued GPU work makes a
+    timed launch wait for room in the queue."""
     cold, warm = [], []
     fn()  # imports, caches and first-call costs out of the way
     for _ in range(rounds):
+        if sync is not None:
+            sync()
         thrash()
         t0 = time.perf_counter()
         fn()
@@ -200,6 +224,91 @@ def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
     return todo
 
 
+GPU_VARIANTS = (("combine (default)", None), ("combine (HOST_CACHE=0)", ("MEGATRON_OVERLAP_HOST_CACHE", "0")),
+                ("combine (FAST_LAUNCH=0)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "0")),
+                ("combine (FAST_LAUNCH=direct)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "direct")))
+"""`--gpu`'s combine steps: (name, the (variable, value) set while it runs, or None)."""
+
+
+def gpu_steps(model: str, tokens: int, seed: int) -> dict:
+    """{name: zero-argument callable}: a world-1 combine call's host side on the current
+    CUDA device (`--gpu`, see the module docstring). Each callable runs one whole call."""
+    import contextlib
+
+    import torch
+
+    from megatron_overlap.bench.workloads import routing_maps
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.metadata import triton_metadata
+    from megatron_overlap.models import load_model_shape
+    from megatron_overlap.ops import prepare_gemm2_gatherrs
+    from megatron_overlap.ops.triton_gemm2_gatherrs import (
+        call_resources,
+        default_tile,
+        epilogue_stores_tma,
+    )
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+
+    shape = load_model_shape(model)
+    num_experts, topk = shape.num_moe_experts, shape.moe_router_topk
+    hidden, ffn = shape.hidden_size, shape.moe_ffn_hidden_size
+    device = torch.device("cuda", torch.cuda.current_device())
+    rmap = routing_maps([tokens], num_experts, topk, "uniform", seed=seed)[0]
+    counts = rmap.sum(dim=0).numpy()[None].astype("int64")
+    meta = triton_metadata(counts, tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, topk=topk,
+                           routing_map=rmap.to(device))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = int(counts.sum())
+    h = torch.randn(rows, ffn, device=device, dtype=torch.bfloat16, generator=gen)
+    w2 = torch.randn(num_experts, hidden, ffn, device=device, dtype=torch.bfloat16,
+                     generator=gen) * ffn ** -0.5
+    options = GatherRSOptions(backend="triton", prereduce=False)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    calls = []
+
+    def combine():
+        tile = default_tile(device)
+        plan = plan_gemm2_gatherrs(
+            meta, options, num_sms=sms, hidden=hidden, ffn=ffn, elem_bytes=2, recv_rows=rows,
+            kernel=call_resources(h.dtype, ffn, hidden, 1, topk, num_experts, tile),
+            tma_store=epilogue_stores_tma(tile, hidden, 2))
+        call = prepare_gemm2_gatherrs(h, w2, meta, group=None, options=options, plan=plan,
+                                      tile=tile)
+        call.send(h, w2, keep_operands=False)
+        calls[:] = [call]  # the last call, for the finalize step; the one before is freed
+        return call.finish()
+
+    def under(setting):
+        def run():
+            with (_setenv(*setting) if setting else contextlib.nullcontext()):
+                return combine()
+        return run
+
+    todo = {name: under(setting) for name, setting in GPU_VARIANTS}
+    with torch.no_grad():
+        for run in todo.values():
+            run()  # compiles every variant's kernels
+        torch.cuda.synchronize()
+
+    def finalize():
+        calls[0].finalize()
+    todo["finalize launch"] = finalize
+    return todo
+
+
+@contextlib.contextmanager
+def _setenv(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-30b-a3b",
@@ -212,6 +321,9 @@ def main(argv=None) -> int:
                         help="MiB written between rounds to evict the caches")
     parser.add_argument("--seed", type=int, default=0, help="routing seed")
     parser.add_argument("--out", default="", help="JSONL file to append one row per step to")
+    parser.add_argument("--gpu", action="store_true",
+                        help="time a world-1 combine call's host side on the GPU instead "
+                             "(CUDA only; see above)")
     args = parser.parse_args(argv)
     from megatron_overlap.bench.cli import check_launch_inputs
 
@@ -221,20 +333,35 @@ def main(argv=None) -> int:
         from megatron_overlap.config import check_environment
 
         check_environment()  # the fused path's variables, which the steps read
-        todo = steps(args.model, args.tokens, args.ep, args.seed)
+        if args.gpu:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--gpu needs CUDA")
+            todo = gpu_steps(args.model, args.tokens, args.seed)
+        else:
+            todo = steps(args.model, args.tokens, args.ep, args.seed)
     except (ValueError, ImportError) as err:
         parser.error(str(err))
     thrash = _Thrash(args.thrash_mib, args.seed)
     rows = []
-    print(f"{args.model}, {args.tokens} tokens per rank, EP {args.ep}, rank 0: host us "
+    ep = 1 if args.gpu else args.ep
+    print(f"{args.model}, {args.tokens} tokens per rank, EP {ep}, rank 0: host us "
           f"(median of {args.rounds})")
-    print(f"  {'step':18s} {'cold':>9s} {'warm':>9s} {'cold/warm':>9s}")
+    width = max(18, *(len(name) for name in todo))
+    print(f"  {'step':{width}s} {'cold':>9s} {'warm':>9s} {'cold/warm':>9s}")
+    sync = None
+    if args.gpu:
+        import torch
+
+        sync = torch.cuda.synchronize
     for name, fn in todo.items():
-        cold, warm = time_step(fn, thrash, args.rounds)
-        print(f"  {name:18s} {cold:9.1f} {warm:9.1f} {cold / warm:9.1f}")
+        cold, warm = time_step(fn, thrash, args.rounds, sync)
+        print(f"  {name:{width}s} {cold:9.1f} {warm:9.1f} {cold / warm:9.1f}")
         rows.append(dict(benchmark="host", model=args.model, tokens_per_rank=args.tokens,
-                         ep=args.ep, step=name, cold_us=cold, warm_us=warm,
-                         rounds=args.rounds, thrash_mib=args.thrash_mib))
+                         ep=ep, step=name, cold_us=cold, warm_us=warm,
+                         rounds=args.rounds, thrash_mib=args.thrash_mib,
+                         gpu=_gpu_name() if args.gpu else "cpu"))
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:

@@ -14,10 +14,17 @@ of the model's forward, so every distinct operation costs several times its warm
   stream's raw handle (`torch._C._cuda_getCurrentRawStream`, the one Triton launches on) is
   the one it was cached for. Two torch streams of one device never share a raw handle at
   the same time, so the cached object names the same stream.
+* `triton_scratch(size, alignment, stream)`: the global scratch that Triton asks its
+  allocator for at every launch of a kernel with device-side TMA descriptors (the GEMM2),
+  from one int8 buffer kept per device and raw stream (grown when a launch asks for more)
+  instead of a `torch.empty` per launch. Sound because kernels on one stream run one after
+  another (Triton's programmatic dependent launch is off), so a launch's scratch is free
+  once the next launch on that stream starts; a launch on another stream gets a buffer of
+  its own. Each buffer stays allocated for the process's life (a few tens of KB).
 * `span`'s no-op context (`megatron_overlap.profiling`): one shared `nullcontext`.
 
-`MEGATRON_OVERLAP_HOST_CACHE=0` makes the first two take the plain calls again (for an A/B
-of this module in one process, `bench_layer.py --alt-env MEGATRON_OVERLAP_HOST_CACHE=0`).
+`MEGATRON_OVERLAP_HOST_CACHE=0` makes the first three take the plain calls again (for an
+A/B of this module in one process, `bench_layer.py --alt-env MEGATRON_OVERLAP_HOST_CACHE=0`).
 """
 
 from __future__ import annotations
@@ -84,3 +91,19 @@ def current_stream(device) -> torch.cuda.Stream:
     stream = torch.cuda.current_stream(index)
     _STREAMS[index] = (raw, stream)
     return stream
+
+
+_SCRATCH: Dict[Tuple[int, int], torch.Tensor] = {}
+
+
+def triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's allocator interface (`triton.set_allocator`): `size` bytes of device
+    memory aligned to `alignment` for a launch on the current device's raw stream
+    `stream`; from a buffer kept per (device, stream) (see the module docstring)."""
+    if not _enabled() or alignment > 512:  # (the caching allocator aligns to 512 bytes)
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device="cuda")
+    return buf

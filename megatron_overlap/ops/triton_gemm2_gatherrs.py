@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from megatron_overlap._host import current_stream
+from megatron_overlap._host import current_stream, triton_scratch
 from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
 from megatron_overlap.config import host_tables_mode, tma_store_enabled
 from megatron_overlap.kernels import gemm2_gatherrs as k
@@ -453,16 +453,12 @@ def _record_resources(key, handle) -> None:
             pass
 
 
-def _scratch_alloc(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _ensure_allocator() -> None:
     """Device-side TMA descriptors (`tl.make_tensor_descriptor`) need Triton's scratch
-    allocator; it takes memory from PyTorch's caching allocator. Set at every launch: Triton
-    keeps it per thread (a context variable), and a launch from another thread would find
-    none."""
-    triton.set_allocator(_scratch_alloc)
+    allocator; it takes memory from PyTorch's caching allocator (`_host.triton_scratch`:
+    one buffer per device and stream). Set at every launch: Triton keeps it per thread (a
+    context variable), and a launch from another thread would find none."""
+    triton.set_allocator(triton_scratch)
 
 
 class _StagingSlot:

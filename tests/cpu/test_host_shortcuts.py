@@ -91,3 +91,37 @@ def test_current_stream_is_cached_by_raw_handle(monkeypatch):
     made = fake.made
     assert _host.current_stream(device0) is not _host.current_stream(device0)
     assert fake.made == made + 2
+
+
+def test_triton_scratch_is_kept_per_device_and_stream(monkeypatch):
+    """One buffer per (device, raw stream), grown when a launch asks for more; a fresh one
+    per launch with the cache off or an alignment beyond the caching allocator's."""
+    made = []
+
+    class Buf:
+        def __init__(self, size):
+            self.size = size
+            made.append(self)
+
+        def numel(self):
+            return self.size
+
+    device = [0]
+    monkeypatch.setattr(_host, "_SCRATCH", {})
+    monkeypatch.setattr(_host.torch, "empty", lambda size, dtype=None, device=None: Buf(size))
+    monkeypatch.setattr(_host.torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.delenv(_host.HOST_CACHE_ENV, raising=False)
+    a = _host.triton_scratch(4096, 128, 0)
+    assert _host.triton_scratch(4096, 128, 0) is a and _host.triton_scratch(100, 64, 0) is a
+    b = _host.triton_scratch(4096, 128, 0x55)  # another stream: its own
+    assert b is not a and _host.triton_scratch(4096, 128, 0x55) is b
+    device[0] = 1  # the default stream (raw 0) of another device: its own
+    c = _host.triton_scratch(4096, 128, 0)
+    assert c is not a
+    device[0] = 0
+    bigger = _host.triton_scratch(8192, 128, 0)  # grown, kept from then on
+    assert bigger is not a and bigger.size == 8192
+    assert _host.triton_scratch(4096, 128, 0) is bigger
+    assert _host.triton_scratch(64, 1024, 0) is not bigger  # alignment the cache can't promise
+    monkeypatch.setenv(_host.HOST_CACHE_ENV, "0")
+    assert _host.triton_scratch(64, 128, 0) is not _host.triton_scratch(64, 128, 0)

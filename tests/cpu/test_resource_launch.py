@@ -370,3 +370,14 @@ def test_bench_host_times_every_step(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:  # before any timing
         bench_host.main(["--out", str(tmp_path / "adir"), "--rounds", "1"])
     assert exc.value.code == 2
+
+
+def test_bench_host_gpu_needs_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: --gpu would run (tests/gpu runs it)")
+    bench_host = _load("bench_host")
+    with pytest.raises(SystemExit) as exc:
+        bench_host.main(["--gpu", "--rounds", "1"])
+    assert exc.value.code == 2 and "--gpu needs CUDA" in capsys.readouterr().err

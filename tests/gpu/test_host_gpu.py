@@ -40,3 +40,34 @@ def test_current_stream_follows_torch():
         with torch.cuda.stream(s):
             check()
     check()
+
+
+def test_triton_scratch_on_gpu():
+    from megatron_overlap._host import triton_scratch
+
+    stream = torch.cuda.current_stream().cuda_stream
+    a = triton_scratch(4096, 128, stream)
+    assert a.is_cuda and a.dtype == torch.int8 and a.numel() >= 4096
+    assert triton_scratch(1024, 128, stream) is a
+    side = torch.cuda.Stream()
+    assert triton_scratch(1024, 128, side.cuda_stream) is not a
+
+
+def test_bench_host_gpu_times_a_combine_call(tmp_path):
+    """`launch/bench_host.py --gpu`: every variant's combine call and the finalize launch,
+    one row each (a small Qwen1.5-MoE call, 2 rounds)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "bench_host.py"
+    spec = importlib.util.spec_from_file_location("bench_host", path)
+    bench_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_host)
+    out = tmp_path / "host.jsonl"
+    assert bench_host.main(["--gpu", "--model", "qwen1.5-moe-a2.7b", "--tokens", "256",
+                            "--rounds", "2", "--thrash-mib", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [n for n, _ in bench_host.GPU_VARIANTS] + [
+        "finalize launch"]
+    assert all(r["cold_us"] > 0 and r["ep"] == 1 and r["gpu"] != "cpu" for r in rows)
