@@ -36,7 +36,8 @@ process (`GPU_VARIANTS`):
   combine (HOST_CACHE=0)        MEGATRON_OVERLAP_HOST_CACHE=0: `os.environ` reads and a new
                                 stream object per `torch.cuda.current_stream`
   combine (FAST_LAUNCH=0)       every launch through Triton's JIT entry point
-  combine (FAST_LAUNCH=direct)  cached kernels through their C launchers
+  combine (FAST_LAUNCH=1)       cached kernels through `CompiledKernel[grid]`
+  combine (FAST_LAUNCH=direct)  cached kernels through their C launchers (the default)
   finalize launch               `_Call.finalize` of one call again (it sums again)
 
 Use it to compare a change of these steps before and after it on one machine (the numbers
@@ -224,8 +225,10 @@ def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
     return todo
 
 
-GPU_VARIANTS = (("combine (default)", None), ("combine (HOST_CACHE=0)", ("MEGATRON_OVERLAP_HOST_CACHE", "0")),
+GPU_VARIANTS = (("combine (default)", None),
+                ("combine (HOST_CACHE=0)", ("MEGATRON_OVERLAP_HOST_CACHE", "0")),
                 ("combine (FAST_LAUNCH=0)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "0")),
+                ("combine (FAST_LAUNCH=1)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "1")),
                 ("combine (FAST_LAUNCH=direct)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "direct")))
 """`--gpu`'s combine steps: (name, the (variable, value) set while it runs, or None)."""
 
