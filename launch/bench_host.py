@@ -9,8 +9,12 @@ against ~11 us back to back (docs/perf_notes.md v5.3). There, the host speed of 
 moves such spans by up to 1.7x. This script measures the same steps on the machine at
 hand: per round, each step once right after a thrash of the caches ("cold": a pass over
 --thrash-mib MiB of memory and a walk over 20000 of 200000 small Python objects), then once
-more at once ("warm"); it prints the median of --rounds rounds, in microseconds. Steps,
-for rank 0 of an EP group with uniform routing (`bench.workloads`):
+more at once ("warm"); it prints the median of --rounds rounds, in microseconds. The steps
+take turns within each round, in the order of a row of a Williams design
+(`bench.measure.round_order`, as the layer benchmark's variants): run one after another,
+the fourth of five `--gpu` steps came out fastest in two runs whichever it was, by up to
+170 us (docs/perf_notes.md v5.5). Steps, for rank 0 of an EP group with uniform routing
+(`bench.workloads`):
 
   triton_metadata      the dispatcher's metadata from the exchanged counts
   plan (direct)        `plan_gemm2_gatherrs`, the C++ solver where it is built
@@ -36,8 +40,7 @@ process (`GPU_VARIANTS`):
   combine (HOST_CACHE=0)        MEGATRON_OVERLAP_HOST_CACHE=0: `os.environ` reads and a new
                                 stream object per `torch.cuda.current_stream`
   combine (FAST_LAUNCH=0)       every launch through Triton's JIT entry point
-  combine (FAST_LAUNCH=1)       cached kernels through `CompiledKernel[grid]`
-  combine (FAST_LAUNCH=direct)  cached kernels through their C launchers (the default)
+  combine (FAST_LAUNCH=direct)  cached kernels through their C launchers
   finalize launch               `_Call.finalize` of one call again (it sums again)
 
 Use it to compare a change of these steps before and after it on one machine (the numbers
@@ -87,23 +90,31 @@ def _gpu_name() -> str:
     return torch.cuda.get_device_name()
 
 
-def time_step(fn, thrash, rounds: int, sync=None) -> tuple[float, float]:
-    """(cold, warm) median microseconds of `fn()` over `rounds` rounds. `sync` (e.g.
-    `torch.cuda.synchronize`) runs before each thrash, so that no queued GPU work makes a
-    timed launch wait for room in the queue."""
-    cold, warm = [], []
-    fn()  # imports, caches and first-call costs out of the way
-    for _ in range(rounds):
-        if sync is not None:
-            sync()
-        thrash()
-        t0 = time.perf_counter()
-        fn()
-        cold.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        fn()
-        warm.append(time.perf_counter() - t0)
-    return statistics.median(cold) * 1e6, statistics.median(warm) * 1e6
+def time_steps(todo: dict, thrash, rounds: int, sync=None) -> dict:
+    """{name: (cold, warm) median microseconds of todo[name]() over `rounds` rounds}: in
+    each round every step once cold (right after `thrash()`) and once warm (at once after),
+    the steps in the round's order of a Williams design (`measure.round_order`). `sync`
+    (e.g. `torch.cuda.synchronize`) runs before each thrash, so that no queued GPU work
+    makes a timed launch wait for room in the queue."""
+    from megatron_overlap.bench.measure import round_order
+
+    times = {name: ([], []) for name in todo}
+    for fn in todo.values():
+        fn()  # imports, caches and first-call costs out of the way
+    for r in range(rounds):
+        for name in round_order(list(todo), r):
+            fn, (cold, warm) = todo[name], times[name]
+            if sync is not None:
+                sync()
+            thrash()
+            t0 = time.perf_counter()
+            fn()
+            cold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fn()
+            warm.append(time.perf_counter() - t0)
+    return {name: (statistics.median(c) * 1e6, statistics.median(w) * 1e6)
+            for name, (c, w) in times.items()}
 
 
 FORWARD_ENV_READS = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_SOLVER",
@@ -228,7 +239,6 @@ def steps(model: str, tokens: int, ep: int, seed: int) -> dict:
 GPU_VARIANTS = (("combine (default)", None),
                 ("combine (HOST_CACHE=0)", ("MEGATRON_OVERLAP_HOST_CACHE", "0")),
                 ("combine (FAST_LAUNCH=0)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "0")),
-                ("combine (FAST_LAUNCH=1)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "1")),
                 ("combine (FAST_LAUNCH=direct)", ("MEGATRON_OVERLAP_FAST_LAUNCH", "direct")))
 """`--gpu`'s combine steps: (name, the (variable, value) set while it runs, or None)."""
 
@@ -358,13 +368,12 @@ def main(argv=None) -> int:
         import torch
 
         sync = torch.cuda.synchronize
-    for name, fn in todo.items():
-        cold, warm = time_step(fn, thrash, args.rounds, sync)
+    for name, (cold, warm) in time_steps(todo, thrash, args.rounds, sync).items():
         print(f"  {name:{width}s} {cold:9.1f} {warm:9.1f} {cold / warm:9.1f}")
         rows.append(dict(benchmark="host", model=args.model, tokens_per_rank=args.tokens,
                          ep=ep, step=name, cold_us=cold, warm_us=warm,
                          rounds=args.rounds, thrash_mib=args.thrash_mib,
-                         gpu=_gpu_name() if args.gpu else "cpu"))
+                         gpu=_gpu_name() if args.gpu else "cpu", timing_order="williams"))
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:

@@ -20,8 +20,7 @@ its check that the kernel's global variables did not change (the kernels here us
 
 `MEGATRON_OVERLAP_FAST_LAUNCH=0` turns it off (every launch through `JITFunction.run`).
 
-`MEGATRON_OVERLAP_FAST_LAUNCH=direct` (the default since v5.5; "1" keeps the cached
-`CompiledKernel[grid]` call alone) goes one level lower with Triton 3.6
+`MEGATRON_OVERLAP_FAST_LAUNCH=direct` (opt-in, v5.4) goes one level lower with Triton 3.6
 (the GPU machines' version; `DIRECT_LAUNCH_TRITON`): a cached kernel is launched straight
 through the C launcher that Triton generated for it (`CompiledKernel.run.launch`), with
 what Triton's runner would pass it computed once per key (the function handle, the packed
@@ -30,11 +29,12 @@ per launch (the current stream, the global scratch from Triton's allocator). Tha
 the runner closure, the launch-metadata call and the launcher object's `__call__`
 (`_direct_launch`). Where a launch hook is set (`triton.knobs.runtime.launch_enter_hook` /
 `launch_exit_hook`, e.g. a profiler), where the kernel asks for profile scratch, and with
-any other Triton, the cached kernel's own `CompiledKernel[grid]` runs instead (what "1"
-does). It depends on Triton's launcher internals, hence the version check. Measured on the
-GPU machine (docs/perf_notes.md v5.5, `launch/bench_host.py --gpu`: one world-1 combine
-call's host side, three launches): 35-45 us less than "1" warm; `bench_layer.py --alt-env
-MEGATRON_OVERLAP_FAST_LAUNCH=1` measures it in the layer.
+any other Triton, the cached kernel's own `CompiledKernel[grid]` runs instead. It is
+opt-in because it depends on Triton's launcher internals and no gain was resolved:
+`bench_layer.py --alt-env MEGATRON_OVERLAP_FAST_LAUNCH=direct` (against the default in one
+process) put `direct` at -0.04 ms per layer forward in v5.4 and at +0.07 ms in v5.5 (that
+A/B the other way round: `=1` against `direct` as the default), both within the host's
+noise (docs/perf_notes.md).
 
 Measured on the GPU machine with Triton 3.6 (docs/perf_notes.md v4.7; a do-nothing kernel
 with 8 tensor and 16 int arguments, warm): the JIT path 20-23 us, this one 20-23 us, the
@@ -54,13 +54,13 @@ import torch
 from megatron_overlap._host import getenv
 
 FAST_LAUNCH_ENV = "MEGATRON_OVERLAP_FAST_LAUNCH"
-"""Environment variable: "0" launches through Triton's JIT every time; "1": reuse the
-compiled kernel; "direct" or unset: reuse it and call its C launcher directly where Triton
-is 3.6 (see the module docstring; elsewhere as "1")."""
+"""Environment variable: "0" launches through Triton's JIT every time; "1" or unset: reuse
+the compiled kernel; "direct": reuse it and call its C launcher directly (see the module
+docstring)."""
 
 
 def fast_launch_mode() -> str:
-    """$MEGATRON_OVERLAP_FAST_LAUNCH: "0", "1" or "direct" (also when unset or empty).
+    """$MEGATRON_OVERLAP_FAST_LAUNCH: "0", "1" (also when unset or empty) or "direct".
 
     Raises:
         ValueError: any other value.
@@ -68,7 +68,7 @@ def fast_launch_mode() -> str:
     value = getenv(FAST_LAUNCH_ENV, "")
     if value not in ("", "0", "1", "direct"):
         raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '0', '1' or 'direct'")
-    return value or "direct"
+    return value or "1"
 
 
 def fast_launch_enabled() -> bool:

@@ -326,7 +326,7 @@ def test_alt_env_refuses_bad_values(value, message, monkeypatch):
 
 @pytest.mark.parametrize("value", ["MEGATRON_OVERLAP_HOST_TABLES=fused",
                                    "MEGATRON_OVERLAP_HOST_TABLES=",
-                                   "MEGATRON_OVERLAP_FAST_LAUNCH=direct",
+                                   "MEGATRON_OVERLAP_FAST_LAUNCH=1",
                                    "MEGATRON_OVERLAP_TILE_LIST=device",
                                    "MEGATRON_OVERLAP_TMA_STORE=0"])
 def test_alt_env_refuses_a_value_of_the_same_effect(value, monkeypatch):

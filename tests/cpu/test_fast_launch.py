@@ -197,8 +197,8 @@ def test_direct_launch_declines_other_tritons_and_profile_scratch(triton36, monk
 
 
 def test_cached_kernels_launch_directly_only_in_direct_mode(launcher, monkeypatch):
-    """Mode "direct" (the default): a cached kernel goes through `_direct_launch` (made once
-    per key); where that declines (a hook appeared) `CompiledKernel[grid]` runs. Mode "1"
+    """Mode "direct": a cached kernel goes through `_direct_launch` (made once per key);
+    where that declines (a hook appeared) `CompiledKernel[grid]` runs. The default mode
     never calls it."""
     from megatron_overlap.kernels import launch as launch_mod
 
@@ -215,11 +215,10 @@ def test_cached_kernels_launch_directly_only_in_direct_mode(launcher, monkeypatc
 
     monkeypatch.setattr(launch_mod, "_direct_launch", fake_direct)
     x = torch.zeros(64, dtype=torch.float32)
-    monkeypatch.setenv(FAST_LAUNCH_ENV, "1")
-    launcher((4,), x, 100, BLOCK=32, EVEN=False, num_warps=4)  # mode 1: compiles
-    launcher((4,), x, 150, BLOCK=32, EVEN=False, num_warps=4)  # mode 1: compiled[grid]
+    launcher((4,), x, 100, BLOCK=32, EVEN=False, num_warps=4)  # default mode: compiles
+    launcher((4,), x, 150, BLOCK=32, EVEN=False, num_warps=4)  # default mode: compiled[grid]
     assert made == [] and direct_log == []
-    monkeypatch.delenv(FAST_LAUNCH_ENV)  # the default: "direct"
+    monkeypatch.setenv(FAST_LAUNCH_ENV, "direct")
     for n in (200, 300):
         launcher((4,), x, n, BLOCK=32, EVEN=False, num_warps=4)
     log = launcher.fn.log
@@ -232,7 +231,7 @@ def test_cached_kernels_launch_directly_only_in_direct_mode(launcher, monkeypatc
 def test_fast_launch_modes(monkeypatch):
     from megatron_overlap.kernels.launch import fast_launch_mode
 
-    for value, mode in (("", "direct"), ("1", "1"), ("0", "0"), ("direct", "direct")):
+    for value, mode in (("", "1"), ("1", "1"), ("0", "0"), ("direct", "direct")):
         monkeypatch.setenv(FAST_LAUNCH_ENV, value)
         assert fast_launch_mode() == mode and fast_launch_enabled() == (mode != "0")
     monkeypatch.setenv(FAST_LAUNCH_ENV, "Direct")
