@@ -334,6 +334,10 @@ def main(argv=None) -> int:
                         help="MiB written between rounds to evict the caches")
     parser.add_argument("--seed", type=int, default=0, help="routing seed")
     parser.add_argument("--out", default="", help="JSONL file to append one row per step to")
+    parser.add_argument("--profile-step", default="", metavar="STEP",
+                        help="after the timing, run STEP (a step's name, as printed) 200 "
+                             "times warm under cProfile and print its 30 costliest "
+                             "functions by own time")
     parser.add_argument("--gpu", action="store_true",
                         help="time a world-1 combine call's host side on the GPU instead "
                              "(CUDA only; see above)")
@@ -356,6 +360,9 @@ def main(argv=None) -> int:
             todo = steps(args.model, args.tokens, args.ep, args.seed)
     except (ValueError, ImportError) as err:
         parser.error(str(err))
+    if args.profile_step and args.profile_step not in todo:
+        parser.error(f"--profile-step {args.profile_step!r}: expected one of "
+                     f"{', '.join(repr(n) for n in todo)}")
     thrash = _Thrash(args.thrash_mib, args.seed)
     rows = []
     ep = 1 if args.gpu else args.ep
@@ -378,6 +385,24 @@ def main(argv=None) -> int:
         with open(args.out, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+    if args.profile_step:
+        import cProfile
+        import pstats
+
+        fn, prof = todo[args.profile_step], cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            fn()
+        prof.disable()
+        if sync is not None:
+            sync()
+        stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+        print(f"cProfile of {args.profile_step!r}, 200 warm runs: us per run, own and "
+              "cumulative, calls per run")
+        top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:30]
+        for (file, line, name), (_, calls, own, cum, _) in top:
+            where = f"{'/'.join(file.split('/')[-2:])}:{line}({name})"
+            print(f"  {own / 200 * 1e6:8.1f} {cum / 200 * 1e6:8.1f} {calls / 200:6.1f}  {where}")
     return 0
 
 
