@@ -81,6 +81,8 @@ def fast_launch_enabled() -> bool:
 
 
 _PLAIN = (torch.Tensor, int, float, bool, type(None))
+_Tensor = torch.Tensor
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 DIRECT_LAUNCH_TRITON = ("3.6.",)
 """Triton versions (prefixes) whose launcher internals `_direct_launch` was written
@@ -137,19 +139,6 @@ def _as_kernel_arg(arg: Any) -> Any:
     return int(arg) if isinstance(arg, numbers.Integral) else arg
 
 
-def _arg_key(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        size = 32 if -2**31 <= arg < 2**31 else (64 if -2**63 <= arg < 2**63 else 65)
-        return (size, arg == 1, arg % 16 == 0)
-    if isinstance(arg, float):
-        return float  # Triton does not specialise on float values
-    raise TypeError(f"FastLauncher: no key for an argument of type {type(arg).__name__}")
-
-
 class FastLauncher:
     """Launch `fn` (a `triton.jit` function whose constexpr parameters come last) reusing
     its compiled kernels; see the module docstring.
@@ -180,38 +169,59 @@ class FastLauncher:
 
     @staticmethod
     def _device() -> int:
-        return torch.cuda.current_device()  # where Triton launches
+        # where Triton launches (`torch.cuda.current_device()` without its lazy-init check:
+        # only asked once a GPU tensor is among the arguments, so CUDA is initialised)
+        return _cuda_get_device()
 
     def __call__(self, grid, *args, **meta):
         mode = fast_launch_mode()
         if self._constexpr_names is None or mode == "0":
             return self.fn[grid](*(_as_kernel_arg(a) for a in args), **meta)
-        # One pass: the kernel arguments and their key (`_arg_key`, inlined for the common
-        # kinds: this runs for every argument of every launch on the host's critical path).
-        conv, keys, first = [], [], None
+        # One pass over the arguments for their key (the module docstring's distinctions,
+        # flattened: this runs for every argument of every launch on the host's critical
+        # path). An int is one small int: its type range (0 int32, 4 int64, 8 beyond), +2 if it is 1, +1
+        # if a multiple of 16; a tensor its dtype, then whether it is 16-byte aligned (a
+        # dtype is never an int, so the flat key reads back one way only); a bool "b1" /
+        # "b0"; a float the type float; None itself. Anything else (numpy ints) takes
+        # `_converted`.
+        keys, first = [], None
+        push = keys.append
         for a in args:
             kind = type(a)
             if kind is int:
-                keys.append((32 if -2**31 <= a < 2**31 else (64 if -2**63 <= a < 2**63 else 65),
-                             a == 1, a % 16 == 0))
-            elif kind is bool or a is None:
-                keys.append(a)
-            elif isinstance(a, torch.Tensor):
+                push((0 if -2**31 <= a < 2**31 else (4 if -2**63 <= a < 2**63 else 8))
+                     + (a == 1) * 2 + (a % 16 == 0))
+            elif kind is _Tensor or isinstance(a, _Tensor):
                 if first is None:
                     first = a
-                keys.append((a.dtype, a.data_ptr() % 16 == 0))
+                push(a.dtype)
+                push(a.data_ptr() % 16 == 0)
+            elif kind is bool:
+                push("b1" if a else "b0")
+            elif a is None:
+                push(None)
+            elif kind is float:
+                push(float)  # Triton does not specialise on float values
             else:
-                a = _as_kernel_arg(a)
-                try:
-                    keys.append(_arg_key(a))
-                except TypeError:  # an argument kind it has no key for: Triton's own path
-                    return self.fn[grid](*(_as_kernel_arg(x) for x in args), **meta)
-            conv.append(a)
+                return self._converted(grid, args, meta)
         if first is None or not self._on_gpu(first):
-            return self.fn[grid](*conv, **meta)
+            return self.fn[grid](*args, **meta)
         # kwargs keep their call-site order: one call site, one key (another order would
         # only add a cache entry)
         key = (self._device(), tuple(keys), tuple(meta.items()))
+        return self._launch_keyed(grid, key, list(args), meta, mode)
+
+    def _converted(self, grid, args, meta):
+        """`__call__` for arguments of other kinds than int, float, bool, None and tensors:
+        numpy and other integral scalars become ints (`_as_kernel_arg`) and the launch goes
+        on as for those (the same key); a kind that stays another goes through Triton's own
+        path."""
+        conv = [_as_kernel_arg(a) for a in args]
+        if any(type(a) not in _PLAIN and not isinstance(a, _Tensor) for a in conv):
+            return self.fn[grid](*conv, **meta)
+        return self(grid, *conv, **meta)
+
+    def _launch_keyed(self, grid, key, conv: list, meta, mode):
         try:
             compiled = self._cache.get(key)
         except TypeError:  # an unhashable keyword value: Triton's own path
@@ -223,7 +233,7 @@ class FastLauncher:
             # The compiled kernel's runner reads grid[0], grid[1], grid[2].
             if len(grid) != 3:
                 grid = tuple(grid) + (1,) * (3 - len(grid))
-            conv.extend(meta[name] for name in self._constexpr_names)
+            conv.extend([meta[name] for name in self._constexpr_names])
             if mode == "direct":
                 go = self._direct.get(key, False)
                 if go is False:

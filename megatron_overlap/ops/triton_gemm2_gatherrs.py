@@ -40,6 +40,7 @@ compiling, so no rank's finalize waits out a peer's JIT compilation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -413,6 +414,7 @@ def gemm_index_key(tp_size: int, topk: Optional[int], num_experts: int) -> tuple
     return key if key[2] <= FOLD_MAX_EP2 else _PLACEHOLDER_INDEX
 
 
+@functools.lru_cache(maxsize=256)
 def _index_constants(tp_size: int, topk: Optional[int], num_experts: int) -> tuple:
     """(TP, K, EP2) of the finalize index (`gemm_index_key` without the placeholder)."""
     return (tp_size, max(1, min(int(topk or num_experts), num_experts)),
