@@ -51,7 +51,6 @@ layout extension there is no "tables (fused)" step (the call would run "steps").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -246,10 +245,9 @@ GPU_VARIANTS = (("combine (default)", None),
 def gpu_steps(model: str, tokens: int, seed: int) -> dict:
     """{name: zero-argument callable}: a world-1 combine call's host side on the current
     CUDA device (`--gpu`, see the module docstring). Each callable runs one whole call."""
-    import contextlib
-
     import torch
 
+    from megatron_overlap.bench.cli import alt_environment
     from megatron_overlap.bench.workloads import routing_maps
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.metadata import triton_metadata
@@ -293,7 +291,7 @@ def gpu_steps(model: str, tokens: int, seed: int) -> dict:
 
     def under(setting):
         def run():
-            with (_setenv(*setting) if setting else contextlib.nullcontext()):
+            with alt_environment(setting):
                 return combine()
         return run
 
@@ -307,19 +305,6 @@ def gpu_steps(model: str, tokens: int, seed: int) -> dict:
         calls[0].finalize()
     todo["finalize launch"] = finalize
     return todo
-
-
-@contextlib.contextmanager
-def _setenv(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def main(argv=None) -> int:

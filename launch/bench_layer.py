@@ -85,6 +85,7 @@ from prefill import (
 
 from megatron_overlap.bench.cli import (
     HostMemoryError,
+    alt_environment,
     check_host_memory,
     check_launch_inputs,
     parse_layout,
@@ -323,25 +324,6 @@ def _effective_setting(var: str):
     if name == "solver":
         return implementation_name()
     return load_profile()  # MEGATRON_OVERLAP_HW_PROFILE
-
-
-@contextlib.contextmanager
-def alt_environment(alt: tuple[str, str] | None):
-    """Inside: os.environ[var] = value (alt = (var, value); None: nothing); restored on
-    exit, unset again where it was unset."""
-    if alt is None:
-        yield
-        return
-    var, value = alt
-    before = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = before
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:

@@ -4,9 +4,10 @@ names the value and what was expected, and becomes a one-line usage error, exit 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 
 def _integer(text: str, minimum: int) -> int:
@@ -148,6 +149,26 @@ def layout_label(tp: int, ep: int) -> str:
     if ep == 1:
         return f"tp{tp}"
     return f"tp{tp}ep{ep}"
+
+
+@contextlib.contextmanager
+def alt_environment(alt: Optional[Tuple[str, str]]):
+    """Inside: os.environ[var] = value (alt = (var, value); None: nothing); restored on
+    exit, unset again where it was unset. The launchers' A/Bs of a variable the fused path
+    reads per call (`bench_layer.py --alt-env`, `bench_host.py --gpu`)."""
+    if alt is None:
+        yield
+        return
+    var, value = alt
+    before = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
 
 
 def check_launch_inputs(out: str, flag: str = "--out") -> None:

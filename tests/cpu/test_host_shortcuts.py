@@ -1,6 +1,7 @@
-"""`megatron_overlap._host`: the environment reader and the current-stream cache give what
-the plain calls give (the stream cache with a stand-in for the CUDA calls here; on a GPU in
-tests/gpu/test_triton_gpu.py), and $MEGATRON_OVERLAP_HOST_CACHE turns them off."""
+"""`megatron_overlap._host`: the environment reader, the current-stream cache and the
+Triton scratch cache give what the plain calls give (the CUDA calls stood in for here; on a
+GPU in tests/gpu/test_host_gpu.py), and $MEGATRON_OVERLAP_HOST_CACHE turns them off (its
+values: tests/cpu/test_schedule.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from megatron_overlap import _host, config
+from megatron_overlap import _host
 
 NAME = "MEGATRON_OVERLAP_TEST_HOST_VARIABLE"
 
@@ -30,23 +31,6 @@ def test_getenv_reads_what_os_environ_reads(monkeypatch, cache):
     assert _host.getenv(NAME, "gone") == "gone"
     with pytest.raises(TypeError):
         _host.getenv(b"MEGATRON_OVERLAP_TILE_LIST")  # as os.environ.get refuses bytes
-
-
-@pytest.mark.parametrize("value, expected", [("", True), ("1", True), ("0", False),
-                                             ("yes", None), ("off", None)])
-def test_host_cache_variable(monkeypatch, value, expected):
-    """"0" or "1" (default on); anything else is refused by `host_cache_enabled` and by
-    `check_environment`, naming the variable; `fused_path_settings` records it."""
-    monkeypatch.setenv(config.HOST_CACHE_ENV, value)
-    if expected is None:
-        for check in (config.host_cache_enabled, config.check_environment):
-            with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_HOST_CACHE={value!r}: "
-                                                 "expected '0' or '1'"):
-                check()
-        return
-    assert config.host_cache_enabled() is expected
-    assert config.fused_path_settings()["host_cache"] is expected
-    config.check_environment()
 
 
 class _FakeCuda:

@@ -245,23 +245,32 @@ def test_tile_config_refuses_sizes_no_launch_takes(fields, message):
         TileConfig(**fields)
 
 
-@pytest.mark.parametrize("value, expected", [("", "fused"), ("fused", "fused"),
-                                             ("steps", "steps"), ("cpp", None),
-                                             ("Fused", None)])
-def test_host_tables_variable(monkeypatch, value, expected):
-    """$MEGATRON_OVERLAP_HOST_TABLES: "fused" (default) or "steps"; anything else is refused
-    by `host_tables_mode` and by `check_environment` (the dispatcher's construction),
-    naming the variable."""
+@pytest.mark.parametrize("name, value, expected", [
+    ("HOST_TABLES", "", "fused"), ("HOST_TABLES", "fused", "fused"),
+    ("HOST_TABLES", "steps", "steps"), ("HOST_TABLES", "cpp", None),
+    ("HOST_TABLES", "Fused", None),
+    ("HOST_CACHE", "", True), ("HOST_CACHE", "1", True), ("HOST_CACHE", "0", False),
+    ("HOST_CACHE", "yes", None), ("HOST_CACHE", "off", None),
+])
+def test_host_path_variables(monkeypatch, name, value, expected):
+    """$MEGATRON_OVERLAP_HOST_TABLES: "fused" (default) or "steps"; $MEGATRON_OVERLAP_
+    HOST_CACHE: "1" (default) or "0". Anything else is refused by the variable's reader and
+    by `check_environment` (the dispatcher's construction), naming the variable;
+    `fused_path_settings` records the value read."""
     from megatron_overlap import config
 
-    monkeypatch.setenv(config.HOST_TABLES_ENV, value)
+    var, read, accepted = {
+        "HOST_TABLES": (config.HOST_TABLES_ENV, config.host_tables_mode, "'fused' or 'steps'"),
+        "HOST_CACHE": (config.HOST_CACHE_ENV, config.host_cache_enabled, "'0' or '1'"),
+    }[name]
+    monkeypatch.setenv(var, value)
     if expected is None:
-        for check in (config.host_tables_mode, config.check_environment):
-            with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_HOST_TABLES={value!r}: "
-                                                 "expected 'fused' or 'steps'"):
+        for check in (read, config.check_environment):
+            with pytest.raises(ValueError, match=f"{var}={value!r}: expected {accepted}"):
                 check()
         return
-    assert config.host_tables_mode() == expected
+    assert read() == expected
+    assert config.fused_path_settings()[name.lower()] == expected
     config.check_environment()
 
 
