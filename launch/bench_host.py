@@ -1,4 +1,5 @@
-"""Host cost of the flag-on path's CPU-side steps, warm and cold, on any machine (no GPU).
+"""Host cost of the flag-on path's CPU-side steps, warm and cold, on any machine (no GPU
+needed; `--gpu`: a whole combine call's on a CUDA device).
 
     python3 launch/bench_host.py --model qwen3-30b-a3b --tokens 4096 --ep 2
 
@@ -12,9 +13,9 @@ hand: per round, each step once right after a thrash of the caches ("cold": a pa
 more at once ("warm"); it prints the median of --rounds rounds, in microseconds. The steps
 take turns within each round, in the order of a row of a Williams design
 (`bench.measure.round_order`, as the layer benchmark's variants): run one after another,
-the fourth of five `--gpu` steps came out fastest in two runs whichever it was, by up to
-170 us (docs/perf_notes.md v5.5). Steps, for rank 0 of an EP group with uniform routing
-(`bench.workloads`):
+the fourth `--gpu` step came out fastest in both Qwen3-30B-A3B runs, whichever it was (by
+up to 170 us; docs/perf_notes.md v5.5). Steps, for rank 0 of an EP group with uniform
+routing (`bench.workloads`):
 
   triton_metadata      the dispatcher's metadata from the exchanged counts
   plan (direct)        `plan_gemm2_gatherrs`, the C++ solver where it is built
@@ -37,8 +38,9 @@ under several settings of the fused path's per-call variables, one after another
 process (`GPU_VARIANTS`):
 
   combine (default)             as configured
-  combine (HOST_CACHE=0)        MEGATRON_OVERLAP_HOST_CACHE=0: `os.environ` reads and a new
-                                stream object per `torch.cuda.current_stream`
+  combine (HOST_CACHE=0)        MEGATRON_OVERLAP_HOST_CACHE=0: `os.environ` reads, a new
+                                stream object per `torch.cuda.current_stream` and a new
+                                Triton scratch per GEMM2 launch (`megatron_overlap._host`)
   combine (FAST_LAUNCH=0)       every launch through Triton's JIT entry point
   combine (FAST_LAUNCH=direct)  cached kernels through their C launchers
   finalize launch               `_Call.finalize` of one call again (it sums again)
@@ -312,7 +314,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="qwen3-30b-a3b",
                         help="model shape (configs/models/*.yaml or a YAML path)")
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
-    parser.add_argument("--ep", type=positive_int, default=2, help="EP size (rank 0 timed)")
+    parser.add_argument("--ep", type=positive_int, default=None,
+                        help="EP size (rank 0 timed; default 2; not with --gpu, which times a "
+                             "world-1 call)")
     parser.add_argument("--rounds", type=positive_int, default=60,
                         help="cold + warm measurements per step (medians)")
     parser.add_argument("--thrash-mib", type=positive_int, default=64,
@@ -338,19 +342,24 @@ def main(argv=None) -> int:
         if args.gpu:
             import torch
 
+            if args.ep is not None:
+                raise ValueError("--ep does not apply to --gpu (it times a world-1 call)")
             if not torch.cuda.is_available():
                 raise ValueError("--gpu needs CUDA")
             todo = gpu_steps(args.model, args.tokens, args.seed)
         else:
-            todo = steps(args.model, args.tokens, args.ep, args.seed)
+            todo = steps(args.model, args.tokens, args.ep or 2, args.seed)
     except (ValueError, ImportError) as err:
         parser.error(str(err))
     if args.profile_step and args.profile_step not in todo:
         parser.error(f"--profile-step {args.profile_step!r}: expected one of "
                      f"{', '.join(repr(n) for n in todo)}")
+    from megatron_overlap.bench.measure import git_sha
+    from megatron_overlap.config import fused_path_settings
+
     thrash = _Thrash(args.thrash_mib, args.seed)
     rows = []
-    ep = 1 if args.gpu else args.ep
+    ep = 1 if args.gpu else (args.ep or 2)
     print(f"{args.model}, {args.tokens} tokens per rank, EP {ep}, rank 0: host us "
           f"(median of {args.rounds})")
     width = max(18, *(len(name) for name in todo))
@@ -365,7 +374,8 @@ def main(argv=None) -> int:
         rows.append(dict(benchmark="host", model=args.model, tokens_per_rank=args.tokens,
                          ep=ep, step=name, cold_us=cold, warm_us=warm,
                          rounds=args.rounds, thrash_mib=args.thrash_mib,
-                         gpu=_gpu_name() if args.gpu else "cpu", timing_order="williams"))
+                         gpu=_gpu_name() if args.gpu else "cpu", timing_order="williams",
+                         git_sha=git_sha(), **fused_path_settings()))
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:

@@ -153,7 +153,8 @@ def host_tables_mode() -> str:
 def host_cache_enabled() -> bool:
     """$MEGATRON_OVERLAP_HOST_CACHE: whether the host shortcuts of `megatron_overlap._host`
     (the environment read from `os.environ`'s own mapping, the current CUDA stream object
-    cached by its raw handle) run; True when unset or empty, False for "0".
+    cached while the current stream is the same, Triton's launch scratch of the GEMM2 kept
+    per device and stream) run; True when unset or empty, False for "0".
 
     Raises:
         ValueError: any other value than "0" or "1".

@@ -201,15 +201,30 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
         if os.path.isdir(out):  # e.g. "new/../results": a directory once "new" exists
             raise ValueError(f"{flag} {out!r} is a directory: give a file path")
     # Writable? (a folder can exist and still refuse files: no permission, a read-only or
-    # special file system such as /proc.) Opened for appending, as the rows will be; a file
-    # made only for this check is removed again.
-    existed = os.path.exists(out)
+    # special file system such as /proc.) An existing file is opened for appending, as the
+    # rows will be; a new one is made exclusively (so this check knows it made it) and
+    # removed again while still empty. Non-blocking, so that a FIFO without a reader fails
+    # instead of waiting. A dangling symbolic link is left alone (its target may be made
+    # when the rows are written).
+    if os.path.islink(out) and not os.path.exists(out):
+        return
+    created = not os.path.lexists(out)
+    mode = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)
     try:
-        with open(out, "a"):
-            pass
+        fd = os.open(out, mode | (os.O_CREAT | os.O_EXCL if created else 0))
+    except FileExistsError:  # made meanwhile (another rank's check): append to it then
+        created = False
+        try:
+            fd = os.open(out, mode)
+        except OSError as err:
+            raise ValueError(f"{flag} {out!r} cannot be written ({err.strerror})") from None
     except OSError as err:
         raise ValueError(f"{flag} {out!r} cannot be written ({err.strerror})") from None
-    if not existed:
+    try:
+        empty = os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    if created and empty:
         try:
             os.remove(out)
         except OSError:

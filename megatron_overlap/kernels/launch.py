@@ -132,11 +132,14 @@ def _direct_launch(compiled, device: int):
 
 
 def _as_kernel_arg(arg: Any) -> Any:
-    """numpy and other integral scalars as Python ints (Triton's JIT rejects numpy ints).
-    The common kinds return at the first check: this runs for every argument of a launch."""
+    """numpy and other integral scalars as Python ints (Triton's JIT rejects numpy ints),
+    other real scalars (numpy floats) as Python floats. The common kinds return at the
+    first check."""
     if type(arg) in _PLAIN or isinstance(arg, torch.Tensor):
         return arg
-    return int(arg) if isinstance(arg, numbers.Integral) else arg
+    if isinstance(arg, numbers.Integral):
+        return int(arg)
+    return float(arg) if isinstance(arg, numbers.Real) else arg
 
 
 class FastLauncher:

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from megatron_overlap._host import current_stream, triton_scratch
+from megatron_overlap._host import current_stream, own_launch, triton_scratch
 from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
 from megatron_overlap.config import host_tables_mode, tma_store_enabled
 from megatron_overlap.kernels import gemm2_gatherrs as k
@@ -981,18 +981,21 @@ class _Call:
             blocks = tokens = experts = 0
         tp, kk, ep2 = self._gemm_index
         im = self._index_meta
-        handle = _gemm_scatter(
-            (grid,), h, w2, tiles, num_remote, num_local, tiles if t.static else self.counters,
-            ws.peer_recv_ptrs, self.local if local is None else local, ws.peer_signal_ptrs,
-            ws.signals, self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
-            ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0], h.stride(0),
-            w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks, tokens, experts,
-            BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
-            USE_TIMER=self.gpu, TP=tp, K=kk, EP2=ep2, IBT=im["BT"], CB=im["CB"],
-            TMA_STORE=epilogue_stores_tma(t, self.hidden, h.element_size()),
-            ROTATE=t.rotate,
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+        with own_launch():  # its global scratch may come from the kept buffer (`_host`)
+            handle = _gemm_scatter(
+                (grid,), h, w2, tiles, num_remote, num_local,
+                tiles if t.static else self.counters, ws.peer_recv_ptrs,
+                self.local if local is None else local, ws.peer_signal_ptrs, ws.signals,
+                self.rank, ws.num_ranks, self.num_comm, self.freed_target, self.timeout,
+                ws.error, max(1, h.shape[0]), h.shape[1], self.hidden, w2.shape[0],
+                h.stride(0), w2.stride(0), w2.stride(1), rmap, counts, base, out, blocks,
+                tokens, experts,
+                BM=t.bm, BN=t.bn, BK=t.bk, USE_TMA=self.use_tma, STATIC=t.static,
+                USE_TIMER=self.gpu, TP=tp, K=kk, EP2=ep2, IBT=im["BT"], CB=im["CB"],
+                TMA_STORE=epilogue_stores_tma(t, self.hidden, h.element_size()),
+                ROTATE=t.rotate,
+                num_warps=t.num_warps, num_stages=t.num_stages,
+            )
         if self.gpu:
             _record_resources((self.dtype, h.shape[1], self.hidden, t, self._gemm_index),
                               handle)

@@ -237,3 +237,28 @@ def test_fast_launch_modes(monkeypatch):
     monkeypatch.setenv(FAST_LAUNCH_ENV, "Direct")
     with pytest.raises(ValueError, match="expected '0', '1' or 'direct'"):
         fast_launch_mode()
+
+
+def test_key_keeps_every_distinction_triton_makes(launcher):
+    """The flat key: 1 / True / 0 / False / None / a float, an int's type range, a
+    multiple of 16, a tensor's dtype and 16-byte alignment: each a kernel of its own (a
+    JIT launch the first time, the cached kernel the second); numpy scalars as the Python
+    ones."""
+    x = torch.zeros(64, dtype=torch.float32)
+    odd = x[1:]  # 4 bytes past a 16-byte boundary
+    values = [1, True, 0, False, None, 2.5, 7, 2**31, 2**63]  # (0: a multiple of 16)
+    tensors = [x, odd, x.double()]
+    cases = [(x, v) for v in values] + [(t, 7) for t in tensors[1:]]
+    for case in cases:
+        launcher((1,), *case, BLOCK=16, EVEN=True)
+    log = launcher.fn.log
+    assert [e[0] for e in log] == ["jit"] * len(cases), "two arguments lists shared a key"
+    for case in cases:
+        launcher((1,), *case, BLOCK=16, EVEN=True)
+    assert [e[0] for e in log[len(cases):]] == ["compiled"] * len(cases)
+    launcher((1,), x, np.int64(7), BLOCK=16, EVEN=True)
+    launcher((1,), x, np.float64(2.5), BLOCK=16, EVEN=True)
+    assert [e[0] for e in log[-2:]] == ["compiled", "compiled"]
+    assert type(log[-1][2][1]) is float and type(log[-2][2][1]) is int
+    launcher((1,), x, 32, BLOCK=16, EVEN=True)  # a multiple of 16 as 0 is: Triton's too
+    assert log[-1][0] == "compiled"

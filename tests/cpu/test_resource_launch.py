@@ -381,3 +381,10 @@ def test_bench_host_gpu_needs_cuda(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_host.main(["--gpu", "--rounds", "1"])
     assert exc.value.code == 2 and "--gpu needs CUDA" in capsys.readouterr().err
+
+
+def test_bench_host_gpu_refuses_ep(capsys):
+    bench_host = _load("bench_host")
+    with pytest.raises(SystemExit) as exc:
+        bench_host.main(["--gpu", "--ep", "2", "--rounds", "1"])
+    assert exc.value.code == 2 and "--ep does not apply to --gpu" in capsys.readouterr().err

@@ -29,10 +29,12 @@ def test_current_stream_follows_torch():
         nested = torch.cuda.Stream(device)
         with torch.cuda.stream(nested):
             check()
-        check()
-        external = torch.cuda.ExternalStream(nested.cuda_stream, device=device)
-        with torch.cuda.stream(external):
+            # the same CUDA stream under another torch identity, straight after it
+            external = torch.cuda.ExternalStream(nested.cuda_stream, device=device)
+            with torch.cuda.stream(external):
+                check()
             check()
+        check()
     check()
     # many short-lived streams: the pool hands the same handles out again; still equal
     for _ in range(40):
@@ -43,14 +45,19 @@ def test_current_stream_follows_torch():
 
 
 def test_triton_scratch_on_gpu():
-    from megatron_overlap._host import triton_scratch
+    from megatron_overlap._host import own_launch, triton_scratch
 
     stream = torch.cuda.current_stream().cuda_stream
-    a = triton_scratch(4096, 128, stream)
-    assert a.is_cuda and a.dtype == torch.int8 and a.numel() >= 4096
-    assert triton_scratch(1024, 128, stream) is a
-    side = torch.cuda.Stream()
-    assert triton_scratch(1024, 128, side.cuda_stream) is not a
+    with own_launch():
+        a = triton_scratch(4096, 128, stream)
+        assert a.is_cuda and a.dtype == torch.int8 and a.numel() >= 4096
+        assert triton_scratch(1024, 128, stream) is a
+        side = torch.cuda.Stream()
+        assert triton_scratch(1024, 128, side.cuda_stream) is not a
+    assert triton_scratch(1024, 128, stream) is not a  # not our launch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), own_launch():  # captured: not the kept buffer
+        assert triton_scratch(1024, 128, torch.cuda.current_stream().cuda_stream) is not a
 
 
 def test_bench_host_gpu_times_a_combine_call(tmp_path):
