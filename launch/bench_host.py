@@ -328,8 +328,9 @@ def main(argv=None) -> int:
                              "times warm under cProfile and print its 30 costliest "
                              "functions by own time")
     parser.add_argument("--gpu", action="store_true",
-                        help="time a world-1 combine call's host side on the GPU instead "
-                             "(CUDA only; see above)")
+                        help="time a world-1 combine call's host side on the GPU instead, "
+                             "under each launch setting (CUDA only; the module docstring "
+                             "lists the steps)")
     args = parser.parse_args(argv)
     from megatron_overlap.bench.cli import check_launch_inputs
 
@@ -354,8 +355,13 @@ def main(argv=None) -> int:
     if args.profile_step and args.profile_step not in todo:
         parser.error(f"--profile-step {args.profile_step!r}: expected one of "
                      f"{', '.join(repr(n) for n in todo)}")
+    import datetime
+
     from megatron_overlap.bench.measure import git_sha
     from megatron_overlap.config import fused_path_settings
+    from megatron_overlap.resource.solver import implementation_name
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     thrash = _Thrash(args.thrash_mib, args.seed)
     rows = []
@@ -375,11 +381,16 @@ def main(argv=None) -> int:
                          ep=ep, step=name, cold_us=cold, warm_us=warm,
                          rounds=args.rounds, thrash_mib=args.thrash_mib,
                          gpu=_gpu_name() if args.gpu else "cpu", timing_order="williams",
-                         git_sha=git_sha(), **fused_path_settings()))
+                         git_sha=git_sha(), resource_solver=implementation_name(),
+                         seed=args.seed, timestamp=stamp, **fused_path_settings()))
     if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        try:
+            with open(args.out, "a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+        except OSError as err:
+            print(f"bench_host: cannot write the rows to {args.out}: {err}", file=sys.stderr)
+            return 2
     if args.profile_step:
         import cProfile
         import pstats

@@ -259,6 +259,12 @@ ALT_ENV_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
 """The variables `--alt-env` takes: those of the fused path, each read per call
 (`megatron_overlap.config.check_environment` checks their values)."""
 
+TRITON_ONLY_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
+                         "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_HOST_TABLES",
+                         "MEGATRON_OVERLAP_HOST_CACHE")
+"""Those of `ALT_ENV_VARIABLES` that only the Triton backend reads (on a CPU an A/B of them
+compares the same code: `resolve_args` warns)."""
+
 
 class _Once(argparse.Action):
     """An option that may be given once (a second value is refused, not silently kept)."""
@@ -303,8 +309,10 @@ def parse_alt_env(text: str) -> tuple[str, str] | None:
     except (ValueError, ImportError):
         current = None  # (the launch's own check reports the current value)
     if alt == current:
+        shown = (f"the hardware profile {current.name!r}"
+                 if hasattr(current, "link_bandwidth_gbps") else repr(current))
         raise ValueError(f"--alt-env {text!r}: {var}={value!r} means what the current "
-                         f"setting means ({current!r}), so 'on-alt' would run what 'on' "
+                         f"setting means ({shown}), so 'on-alt' would run what 'on' "
                          "runs; give another value")
     return var, value
 
@@ -345,6 +353,11 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         raise ValueError("--device cpu: CUDA is visible; the CPU patches of Megatron refuse to "
                          "run then (hide the GPUs with CUDA_VISIBLE_DEVICES=)")
     alt_env = parse_alt_env(args.alt_env)
+    if (alt_env is not None and alt_env[0] in TRITON_ONLY_VARIABLES and device == "cpu"
+            and int(os.environ.get("RANK", "0")) == 0):
+        print(f"bench_layer: note: --alt-env {alt_env[0]}: on the CPU the flag-on layer "
+              "runs the reference backend, which does not read it; 'on-alt' runs the same "
+              "code as 'on', so their difference is noise", file=sys.stderr)
     if alt_env is not None and (args.profile or args.host_breakdown or args.cprofile):
         raise ValueError("--alt-env times 'on-alt' only: run --profile, --host-breakdown or "
                          "--cprofile without it")

@@ -378,3 +378,18 @@ def test_round_order_is_balanced_for_the_predecessor():
         assert set(pred.values()) == {want}, (n, pred)
         assert round_order(names, cycle + 1) == rounds[1]  # periodic
     assert round_order([], 3) == [] and round_order(["a"], 5) == ["a"]
+
+
+def test_alt_env_of_a_triton_only_variable_on_the_cpu_says_it_compares_the_same_code(
+        monkeypatch, capsys):
+    mod = _module()
+    monkeypatch.delenv("MEGATRON_OVERLAP_HOST_CACHE", raising=False)
+    monkeypatch.delenv("MEGATRON_OVERLAP_FC1_CHUNK_MB", raising=False)
+    parser = mod.build_parser()
+    run = mod.resolve_args(parser.parse_args(["--device", "cpu", "--alt-env",
+                                              "MEGATRON_OVERLAP_HOST_CACHE=0"]), 1)
+    assert run.alt_env == ("MEGATRON_OVERLAP_HOST_CACHE", "0")
+    assert "does not read it" in capsys.readouterr().err
+    mod.resolve_args(parser.parse_args(["--device", "cpu", "--alt-env",
+                                        "MEGATRON_OVERLAP_FC1_CHUNK_MB=64"]), 1)
+    assert "does not read it" not in capsys.readouterr().err  # the CPU layer reads that one
