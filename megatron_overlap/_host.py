@@ -50,7 +50,7 @@ _ENCODING = sys.getfilesystemencoding()
 # os._Environ since 3.2); elsewhere its keys are transformed (upper-cased on Windows), so the
 # plain call runs there, and wherever os.environ is no longer that object.
 _ENVIRON_TYPE = type(os.environ)
-_RAW_ENV = os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict)
+_POSIX = os.name == "posix"
 _KEYS: Dict[str, bytes] = {}
 _HOST_CACHE_KEY = HOST_CACHE_ENV.encode(_ENCODING, "surrogateescape")
 
@@ -58,7 +58,7 @@ _HOST_CACHE_KEY = HOST_CACHE_ENV.encode(_ENCODING, "surrogateescape")
 def _raw_env() -> Optional[dict]:
     """os.environ's own {bytes: bytes} mapping, or None where it is not to be read."""
     environ = os.environ
-    if not _RAW_ENV or type(environ) is not _ENVIRON_TYPE:
+    if not _POSIX or type(environ) is not _ENVIRON_TYPE:
         return None
     data = getattr(environ, "_data", None)
     return data if type(data) is dict else None

@@ -100,8 +100,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         ValueError: the config is not supported by the fused path (`validate_gatherrs_config`),
             or an environment variable of the fused path has a bad value (every variable
             `megatron_overlap.config.check_environment` checks: `MEGATRON_OVERLAP_` +
-            `TILE_LIST`, `HOST_TABLES`, `TMA_STORE`, `FAST_LAUNCH`, `HW_PROFILE`, `SOLVER`,
-            `FC1_CHUNK_MB`): checked here, on every device, so that a typo does not wait for
+            `TILE_LIST`, `HOST_TABLES`, `HOST_CACHE`, `TMA_STORE`, `FAST_LAUNCH`,
+            `HW_PROFILE`, `SOLVER`, `FC1_CHUNK_MB`): checked here, on every device, so that a typo does not wait for
             the first GPU launch.
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """

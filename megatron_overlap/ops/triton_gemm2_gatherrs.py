@@ -733,6 +733,15 @@ class _Call:
         self.sent = False
         self._finalized = False
 
+    def _take_epoch(self, ws: GatherRSWorkspace, recv_rows: int) -> None:
+        """Room for `recv_rows` rows in the receive buffer, then this call's epoch (every
+        mode, once per call, before its arrival targets are taken)."""
+        ws.ensure_capacity(recv_rows)
+        self.epoch = ws.next_epoch()
+        # A remote destination's buffer is free for this call once its finalize of every
+        # earlier call on the workspace has run.
+        self.freed_target = self.epoch - 1
+
     def _wave_plan(self, tile_list: str) -> str:
         """Sets `_waves` and `_kc` (the static schedule's wave order: each wave of `grid`
         entries holds kc remote-bound tiles, `wave_order`) from the tile counts; returns the
@@ -772,11 +781,7 @@ class _Call:
             # are built for the host tile list.
             slot.busy, self._slot = False, None
             return self._step_tables(meta, ws, stream, "host", scratch_head)
-        ws.ensure_capacity(recv_max)
-        self.epoch = ws.next_epoch()
-        # A remote destination's buffer is free for this call once its finalize of every
-        # earlier call on the workspace has run.
-        self.freed_target = self.epoch - 1
+        self._take_epoch(ws, recv_max)
         ws.take_arrivals(nxt)  # the totals written as this call's targets
         return slot
 
@@ -803,11 +808,7 @@ class _Call:
                                              self._kc)]
             else:
                 table = lay.segments
-        ws.ensure_capacity(int(lay.recv_rows.max(initial=0)))
-        self.epoch = ws.next_epoch()
-        # A remote destination's buffer is free for this call once its finalize of every
-        # earlier call on the workspace has run.
-        self.freed_target = self.epoch - 1
+        self._take_epoch(ws, int(lay.recv_rows.max(initial=0)))
         targets = ws.add_expected_arrivals(lay.arrivals)
         r2, n_base = 2 * meta.group_size, lay.finalize_base.size
         tables = (r2, n_base, table.size)

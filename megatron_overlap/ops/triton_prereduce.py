@@ -176,9 +176,7 @@ class PreReducedCall(_Call):
                 table = seg
         self.num_remote, self.num_local = 0, num_tiles
         self.num_rows = int(lay.segments[:, 2].sum()) if len(lay.segments) else 0
-        ws.ensure_capacity(num_ranks * max(self.tokens))
-        self.epoch = ws.next_epoch()
-        self.freed_target = self.epoch - 1
+        self._take_epoch(ws, num_ranks * max(self.tokens))
         arrivals = np.full(num_ranks, send_blocks(self.tokens[me], self.gpu),
                            dtype=np.int64)
         arrivals[me] = 0
