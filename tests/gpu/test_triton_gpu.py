@@ -137,27 +137,59 @@ def _op_cases(world: int) -> list:
     return cases
 
 
-def _op_worker(rank: int, world: int) -> dict:
+class _OneRank:
+    """The ranks `_op_checks` runs, as one process of a distributed run (one GPU per rank):
+    this process's rank alone, through `gemm2_gatherrs` (planned for the whole GPU) and
+    against the reference backend. `tests/gpu/test_emulated_ranks_gpu.py` has the other
+    kind: every rank in one process on one GPU."""
+
+    max_comm_ctas = max(COMM_CTAS)
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def run(self, case: OpCase, **kwargs) -> dict:
+        """{rank: (output, reference output)} of the op on `case` (`_run`'s keywords)."""
+        return {self.rank: _run(case, self.rank, **kwargs)}
+
+    def run_tile(self, case: OpCase, tile, poison: bool = False) -> dict:
+        """{rank: output} of the direct mode with `tile` (`_run_tile`)."""
+        return {self.rank: _run_tile(case, self.rank, tile, poison)}
+
+    @staticmethod
+    def dense(case: OpCase, rank: int) -> torch.Tensor:
+        """The dense formula's output of `rank` (`op_problem.dense_output`)."""
+        return dense_output(case, rank)
+
+
+def _op_checks(world: int, ranks) -> dict:
+    """{check: mismatch or None} of `test_triton_matches_reference` for the ranks that
+    `ranks` runs (`_OneRank`, or the emulated ranks of test_emulated_ranks_gpu.py): its
+    `run(case, num_comm_ctas=None, prereduce=False)` gives {rank: (out, ref)} (ref None where
+    no reference backend can run: the dense formula is then the only reference), its
+    `run_tile(case, tile, poison)` {rank: out}, its `dense(case, rank)` the dense formula's
+    output; communication-CTA counts above its `max_comm_ctas` are left out."""
     report = {}
     # Every case, every layout: against the reference and the dense formula.
     for case in _op_cases(world):
-        out, ref = _run(case, rank)
-        report[f"{case} vs reference"] = describe_mismatch(out.cpu(), ref.cpu(),
-                                                           rel_tol=BF16_TOL)
-        report[f"{case} vs dense"] = describe_mismatch(out.cpu(), dense_output(case, rank),
-                                                       rel_tol=BF16_TOL)
+        for rank, (out, ref) in ranks.run(case).items():
+            if ref is not None:
+                report[f"{case} rank {rank} vs reference"] = describe_mismatch(
+                    out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
+            report[f"{case} rank {rank} vs dense"] = describe_mismatch(
+                out.cpu(), ranks.dense(case, rank), rel_tol=BF16_TOL)
     # The pre-reduced mode (its routing maps all-gathered by the op) on every case.
     for case in _op_cases(world):
-        out, ref = _run(case, rank, prereduce=True)
-        report[f"{case} pre-reduced vs reference"] = describe_mismatch(
-            out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
+        for rank, (out, ref) in ranks.run(case, prereduce=True).items():
+            report[f"{case} rank {rank} pre-reduced"] = describe_mismatch(
+                out.cpu(), ranks.dense(case, rank) if ref is None else ref.cpu(),
+                rel_tol=BF16_TOL)
     # Other tile configurations (stages, shapes, the dynamic schedule) agree too.
     for case in (_op_cases(world)[2], _op_cases(world)[6]):
-        _, ref = _run(case, rank)
         for name, tile in _tile_variants().items():
-            out = _run_tile(case, rank, tile)
-            report[f"{case} tile {name} vs reference"] = describe_mismatch(
-                out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
+            for rank, out in ranks.run_tile(case, tile).items():
+                report[f"{case} rank {rank} tile {name} vs dense"] = describe_mismatch(
+                    out.cpu(), ranks.dense(case, rank), rel_tol=BF16_TOL)
     # The epilogue's two ways of storing a tile (from registers; through a TMA descriptor of
     # the tile's rows, clipped at a short tile's end), with and without the rotated static
     # schedule, store the same values: bit for bit. (Two variants, not three: each compiles
@@ -175,19 +207,21 @@ def _op_worker(rank: int, world: int) -> dict:
                     ffn=256, dtype=torch.bfloat16)
              for tp, ep in _layouts(world) for hidden in (640, 1004)]
     for case in _op_cases(world) + extra:
-        plain = _run_tile(case, rank, DEFAULT_TILE, poison=True)
+        plain = ranks.run_tile(case, DEFAULT_TILE, poison=True)
         for name, tile in variants.items():
-            out = _run_tile(case, rank, tile, poison=True)
-            report[f"{case} {name} bitwise equal"] = (
-                None if torch.equal(plain, out) else
-                "differs: " + str(describe_mismatch(out.cpu(), plain.cpu(), rel_tol=0.0)))
+            for rank, out in ranks.run_tile(case, tile, poison=True).items():
+                report[f"{case} rank {rank} {name} bitwise equal"] = (
+                    None if torch.equal(plain[rank], out) else
+                    "differs: " + str(describe_mismatch(out.cpu(), plain[rank].cpu(),
+                                                        rel_tol=0.0)))
     # Same result, bit for bit, for every communication-CTA count.
+    comm_ctas = [k for k in COMM_CTAS if k <= ranks.max_comm_ctas]
     case = _op_cases(world)[2]
-    first, _ = _run(case, rank, num_comm_ctas=COMM_CTAS[0])
-    for k in COMM_CTAS[1:]:
-        out, _ = _run(case, rank, num_comm_ctas=k)
-        report[f"k={k} bitwise equal to k={COMM_CTAS[0]}"] = (
-            None if torch.equal(out, first) else "differs")
+    first = ranks.run(case, num_comm_ctas=comm_ctas[0])
+    for k in comm_ctas[1:]:
+        for rank, (out, _) in ranks.run(case, num_comm_ctas=k).items():
+            report[f"rank {rank} k={k} bitwise equal to k={comm_ctas[0]}"] = (
+                None if torch.equal(out, first[rank][0]) else "differs")
     # 200 consecutive calls, new routing, sizes and data each call, on the same workspace.
     rng = random.Random(1234)  # same sequence on every rank: the layout must agree
     for call in range(200):
@@ -198,10 +232,15 @@ def _op_worker(rank: int, world: int) -> dict:
                       routing=rng.choice(["uniform", "skewed", "sparse"]), hidden=256,
                       ffn=128, dtype=torch.bfloat16, seed=call)
         case = dataclasses.replace(case, topk=min(rng.randint(1, 4), case.num_experts))
-        out, ref = _run(case, rank, num_comm_ctas=rng.choice(COMM_CTAS))
-        report[f"call {call}: {case}"] = describe_mismatch(out.cpu(), ref.cpu(),
-                                                           rel_tol=BF16_TOL)
+        for rank, (out, ref) in ranks.run(case, num_comm_ctas=rng.choice(comm_ctas)).items():
+            report[f"call {call} rank {rank}: {case}"] = describe_mismatch(
+                out.cpu(), ranks.dense(case, rank) if ref is None else ref.cpu(),
+                rel_tol=BF16_TOL)
     return report
+
+
+def _op_worker(rank: int, world: int) -> dict:
+    return _op_checks(world, _OneRank(rank))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -52,9 +52,10 @@ def global_tensors(case: OpCase):
     return maps, h_full, w2
 
 
-def dense_output(case: OpCase, rank: int) -> torch.Tensor:
-    """[T_rank, H] fp32: sum over routed experts of h @ w2[e]^T, on the full data."""
-    maps, h_full, w2 = global_tensors(case)
+def dense_output(case: OpCase, rank: int, tensors=None) -> torch.Tensor:
+    """[T_rank, H] fp32: sum over routed experts of h @ w2[e]^T, on the full data
+    (`tensors`: `global_tensors(case)` if already made)."""
+    maps, h_full, w2 = global_tensors(case) if tensors is None else tensors
     return torch.einsum("etf,ehf->th", h_full[rank], w2)
 
 
