@@ -224,6 +224,11 @@ def _op_worker(rank: int, world: int, emulated_world: int) -> dict:
 
 @pytest.mark.parametrize("emulated_world", [2, 4])
 def test_emulated_ranks_match_dense(emulated_world):
+    if torch.cuda.device_count() >= emulated_world:
+        # (the same checks across GPUs, NVLink included; and the suite stays within one
+        # device call: this one takes 2-4 minutes, most of it compiling)
+        pytest.skip(f"test_triton_matches_reference[{emulated_world}] runs on this "
+                    f"machine's {torch.cuda.device_count()} GPUs")
     _assert_clean(run_distributed(_op_worker, 1, emulated_world, timeout_s=580,
                                   backend="nccl"))
 
