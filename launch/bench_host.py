@@ -327,11 +327,17 @@ def main(argv=None) -> int:
                         help="after the timing, run STEP (a step's name, as printed) 200 "
                              "times warm under cProfile and print its 30 costliest "
                              "functions by own time")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="torch's intra-op threads while timing (torch.set_num_threads; "
+                             "default 1: on a shared 2-core machine torch's default made "
+                             "these timings vary 40-70x between runs; 0: torch's default)")
     parser.add_argument("--gpu", action="store_true",
                         help="time a world-1 combine call's host side on the GPU instead, "
                              "under each launch setting (CUDA only; the module docstring "
                              "lists the steps)")
     args = parser.parse_args(argv)
+    if args.threads < 0:
+        parser.error(f"--threads: {args.threads}: expected 0 (torch's default) or more")
     from megatron_overlap.bench.cli import check_launch_inputs
 
     try:
@@ -357,11 +363,24 @@ def main(argv=None) -> int:
                      f"{', '.join(repr(n) for n in todo)}")
     import datetime
 
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    import torch
+
+    before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _measure(args, todo, torch.get_num_threads(), stamp)
+    finally:
+        torch.set_num_threads(before)  # (main may run inside another program: pytest)
+
+
+def _measure(args, todo: dict, threads: int, stamp: str) -> int:
+    """The timing, the rows and the profile of `main` (its arguments parsed and checked)."""
     from megatron_overlap.bench.measure import git_sha
     from megatron_overlap.config import fused_path_settings
     from megatron_overlap.resource.solver import implementation_name
-
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     thrash = _Thrash(args.thrash_mib, args.seed)
     rows = []
@@ -382,7 +401,8 @@ def main(argv=None) -> int:
                          rounds=args.rounds, thrash_mib=args.thrash_mib,
                          gpu=_gpu_name() if args.gpu else "cpu", timing_order="williams",
                          git_sha=git_sha(), resource_solver=implementation_name(),
-                         seed=args.seed, timestamp=stamp, **fused_path_settings()))
+                         seed=args.seed, intra_op_threads=threads, timestamp=stamp,
+                         **fused_path_settings()))
     if args.out:
         try:
             with open(args.out, "a") as f:

@@ -196,6 +196,15 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as err:
+            # the deepest part of the folder's path that exists: a non-directory there is
+            # the reason (the OS says "File exists" or "Not a directory")
+            existing = folder
+            while existing and not os.path.lexists(existing):
+                parent = os.path.dirname(existing)
+                existing = "" if parent == existing else parent
+            if existing and not os.path.isdir(existing):
+                raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r}: "
+                                 f"{existing!r} is not a directory") from None
             raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} "
                              f"({err.strerror})") from None
         if os.path.isdir(out):  # e.g. "new/../results": a directory once "new" exists

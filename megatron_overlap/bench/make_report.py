@@ -600,7 +600,8 @@ def labels_section(rows: list[dict]) -> str:
 
 
 def environment_section(rows: list[dict]) -> str:
-    """Distinct hardware/software combinations of the rows, with their time span."""
+    """Distinct hardware/software combinations of the rows, with their time span, and a
+    note for a benchmark whose rows come from several commits (`git_sha`)."""
     fields = ("gpu", "world_size", "python", "torch", "cuda", "triton", "megatron_core",
               "megatron_overlap", "transformer_engine", "grouped_mm", "git_sha")
     combos: dict = {}
@@ -609,7 +610,17 @@ def environment_section(rows: list[dict]) -> str:
         stamps = combos.setdefault(key, [])
         stamps.append(str(row.get("timestamp", "")))
     lines = [list(key) + [f"{min(st)} .. {max(st)}", str(len(st))] for key, st in combos.items()]
-    return _table(list(fields) + ["timestamps (UTC)", "rows"], lines)
+    text = _table(list(fields) + ["timestamps (UTC)", "rows"], lines)
+    commits: dict = {}
+    for row in rows:
+        if row.get("git_sha"):
+            commits.setdefault(row["benchmark"], set()).add(str(row["git_sha"]))
+    for benchmark, shas in sorted(commits.items()):
+        if len(shas) > 1:
+            text += (f"\n\n**Note:** the {benchmark} rows come from {len(shas)} commits ("
+                     + ", ".join(sorted(shas)) + "): its tables compare code versions as "
+                     "well as workloads.")
+    return text
 
 
 SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes",
@@ -700,6 +711,12 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
         "forward transient; `megatron_overlap.bench.measure`). Tables and targets: "
         "`megatron_overlap/bench/make_report.py`; where time goes inside the fused op: "
         "`docs/perf_notes.md`.")
+    cpu_rows = sum(1 for row in rows if row.get("gpu") == "cpu")
+    if cpu_rows:
+        parts += ["", f"**CPU times:** {cpu_rows} of these rows were measured on a CPU "
+                  "(`--include-cpu`): the fp32 reference path on host memory, no Triton "
+                  "kernel and no GPU, so they check the plumbing, not the speed targets, "
+                  "which are defined on GPUs."]
     for benchmark, title in (("layer", "MoE layer (`launch/bench_layer.py`)"),
                              ("prefill", "Full-model prefill (`launch/prefill.py`)")):
         groups = workloads(rows, benchmark)

@@ -109,6 +109,23 @@ def test_selection_skips_cpu_and_older_duplicates():
     assert notes["cpu"] == 0 and any(r["model"] == "tiny" for r in kept)
 
 
+def test_cpu_rows_and_several_commits_are_flagged():
+    rows = _layer_rows()
+    notes = {"files": 1, "foreign": 0, "cpu": 0, "superseded": 0}
+    text = mr.render(rows, notes, ["r.jsonl"], "report.md", {})
+    assert "**CPU times:**" not in text and "commits (" not in text
+    # A CPU row (kept by --include-cpu) and rows of two commits in one benchmark.
+    rows[0] = dict(rows[0], gpu="cpu")
+    rows[1] = dict(rows[1], git_sha="def")
+    text = mr.render(rows, notes, ["r.jsonl"], "report.md", {})
+    assert "**CPU times:** 1 of these rows were measured on a CPU" in text
+    assert ("**Note:** the layer rows come from 2 commits (abc, def): its tables compare "
+            "code versions as well as workloads.") in text
+    # One commit per benchmark, different between benchmarks: no note.
+    rows = _layer_rows() + [dict(r, git_sha="def") for r in _prefill_rows()]
+    assert "commits (" not in mr.render(rows, notes, ["r.jsonl"], "report.md", {})
+
+
 def test_report_file_sections_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     data = tmp_path / "synthetic.jsonl"

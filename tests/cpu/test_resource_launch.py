@@ -361,7 +361,18 @@ def test_bench_host_times_every_step(tmp_path, capsys):
                                          "tables (fused)", "env (os.environ)",
                                          "env (getenv)"]
     assert all(r["cold_us"] > 0 and r["warm_us"] > 0 and r["rounds"] == 2 for r in rows)
+    # one intra-op thread while timing (--threads' default), torch's count restored after
+    assert all(r["intra_op_threads"] == 1 for r in rows)
+    import torch
+
+    before = torch.get_num_threads()
+    assert bench_host.main(["--model", "qwen1.5-moe-a2.7b", "--tokens", "256", "--rounds", "1",
+                            "--thrash-mib", "1", "--threads", "0"]) == 0
+    assert torch.get_num_threads() == before
     assert "cold/warm" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        bench_host.main(["--threads", "-1", "--rounds", "1"])
+    assert exc.value.code == 2 and "--threads: -1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # 60 experts do not split over 7 ranks
         bench_host.main(["--model", "qwen1.5-moe-a2.7b", "--ep", "7", "--rounds", "1"])
     assert exc.value.code == 2
@@ -388,3 +399,16 @@ def test_bench_host_gpu_refuses_ep(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_host.main(["--gpu", "--ep", "2", "--rounds", "1"])
     assert exc.value.code == 2 and "--ep does not apply to --gpu" in capsys.readouterr().err
+
+
+def test_out_under_a_file_names_the_file(tmp_path):
+    """`check_launch_inputs`: an --out whose folder path runs through a file names that
+    file (the OS alone says "File exists" or "Not a directory")."""
+    from megatron_overlap.bench.cli import check_launch_inputs
+
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile" / "rows.jsonl", tmp_path / "afile" / "sub" / "rows.jsonl"):
+        with pytest.raises(ValueError, match=f"'{tmp_path / 'afile'}' is not a directory"):
+            check_launch_inputs(str(out))
+    check_launch_inputs(str(tmp_path / "new" / "rows.jsonl"))  # a new folder is made
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "rows.jsonl").exists()
