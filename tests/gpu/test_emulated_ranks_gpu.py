@@ -24,10 +24,11 @@ that the kernel it waits for needs), so the schedule keeps every wait satisfiabl
 * a rank's finalize (not persistent: its CTAs would fill the GPU) is queued after every
   rank's send of the same call (stream events), so it never spins on arrivals;
 * a pre-reduced send (one CTA per token block, not persistent either) is queued after
-  every rank's finalize of the previous call.
+  every rank's finalize of the previous call, unless every rank's send CTAs together fit
+  in half the SMs.
 
-The producers' wait for a destination's finalize of the previous call is left to the
-kernels: the late-finalize test makes them wait for real. So is the finalize's wait for
+The producers' (and small pre-reduced sends') wait for a destination's finalize of the
+previous call is left to the kernels: the late-finalize test makes them wait for real. So is the finalize's wait for
 its arrivals in the late-sender test, whose finalizes are small enough to run beside every
 producer.
 """
@@ -132,7 +133,7 @@ class _EmulatedRanks:
         operands: every rank's (h, w2, meta) on the GPU (default: `case`'s)."""
         from megatron_overlap.config import GatherRSOptions
         from megatron_overlap.ops.triton_gemm2_gatherrs import _Call
-        from megatron_overlap.ops.triton_prereduce import PreReducedCall
+        from megatron_overlap.ops.triton_prereduce import PreReducedCall, send_blocks
         from megatron_overlap.resource import plan_gemm2_gatherrs
 
         spaces, streams, finalized = self._group(case)
@@ -157,13 +158,16 @@ class _EmulatedRanks:
         options = GatherRSOptions(backend="triton", num_comm_ctas=num_comm_ctas,
                                   timeout_s=TIMEOUT_S, prereduce=prereduce)
         maps = [meta.routing_map for _, _, meta in ops]
+        # (a pre-reduced send's CTAs: one per token block of each destination)
+        wait_finalized = prereduce and r * sum(
+            send_blocks(t, True) for t in case.tokens_per_rank) > self.num_sms // 2
         main = torch.cuda.current_stream()
         calls, sent = [], []
         for g, (h, w2, meta) in enumerate(ops):
             stream = streams[g]
             if join:
                 stream.wait_stream(main)  # the operands were uploaded there
-            if prereduce:
+            if wait_finalized:
                 for event in finalized:
                     stream.wait_event(event)
             with torch.cuda.stream(stream), torch.no_grad():
@@ -233,23 +237,29 @@ def test_emulated_ranks_match_dense(emulated_world):
                                   backend="nccl"))
 
 
-def _back_to_back_worker(rank: int, world: int, emulated_world: int) -> dict:
+def _back_to_back_worker(rank: int, world: int, emulated_world: int,
+                         prereduce: bool = False) -> dict:
     """Calls back to back with no host sync and no stream joined to another between them,
-    one rank's finalize late each call: the other ranks' next producers must wait in the
-    kernel until it has read its buffer (one receive buffer serves every call), else the
-    late finalize sums the next call's rows."""
+    one rank's finalize late each call: the other ranks' next producers (pre-reduced
+    sends) must wait in the kernel until it has read its buffer (one receive buffer serves
+    every call), else the late finalize sums the next call's rows. The pre-reduced calls
+    are small, so that their sends' waits are left to the kernel (`_EmulatedRanks.calls`)."""
     ranks = _EmulatedRanks(emulated_world)
     routings = ("uniform", "skewed", "sparse")
     r = emulated_world
-    cases = [OpCase(1, r, num_experts=8 * r, topk=2, hidden=512, ffn=256,
-                    tokens_per_rank=[300 + 37 * ((i + g) % 5) for g in range(r)],
+    size = (dict(hidden=256, ffn=128, tokens=lambda i, g: 40 + 23 * ((i + g) % 3))
+            if prereduce else
+            dict(hidden=512, ffn=256, tokens=lambda i, g: 300 + 37 * ((i + g) % 5)))
+    cases = [OpCase(1, r, num_experts=8 * r, topk=2, hidden=size["hidden"], ffn=size["ffn"],
+                    tokens_per_rank=[size["tokens"](i, g) for g in range(r)],
                     routing=routings[i % 3], dtype=torch.bfloat16, seed=100 + i)
              for i in range(24)]
     operands = [ranks._operands(case) for case in cases]
-    ranks.calls(cases[-1], operands=operands[-1])  # compile, and the workspaces' room
+    # compile, and the workspaces' room (the last case has the most tokens on some rank)
+    ranks.calls(cases[-1], operands=operands[-1], prereduce=prereduce)
     torch.cuda.synchronize()
     # (join=False: a join would order every call after the previous one's late finalize)
-    outs = [ranks.calls(case, operands=ops, late_rank=i % r, join=False)
+    outs = [ranks.calls(case, operands=ops, late_rank=i % r, join=False, prereduce=prereduce)
             for i, (case, ops) in enumerate(zip(cases, operands))]
     torch.cuda.synchronize()
     return {f"call {i} rank {g}": describe_mismatch(out.cpu(), ranks.dense(case, g),
@@ -258,10 +268,11 @@ def _back_to_back_worker(rank: int, world: int, emulated_world: int) -> dict:
             for g, out in enumerate(per_rank)}
 
 
+@pytest.mark.parametrize("prereduce", [False, True])
 @pytest.mark.parametrize("emulated_world", [2, 4])
-def test_emulated_back_to_back_calls_with_a_late_finalize(emulated_world):
-    _assert_clean(run_distributed(_back_to_back_worker, 1, emulated_world, timeout_s=300,
-                                  backend="nccl"))
+def test_emulated_back_to_back_calls_with_a_late_finalize(emulated_world, prereduce):
+    _assert_clean(run_distributed(_back_to_back_worker, 1, emulated_world, prereduce,
+                                  timeout_s=300, backend="nccl"))
 
 
 def _late_sender_worker(rank: int, world: int, emulated_world: int) -> dict:
