@@ -97,10 +97,14 @@ def send_blocks(num_tokens: int, gpu: bool) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _all_slots(num_tokens: int, num_ranks: int, device: torch.device) -> torch.Tensor:
+def _all_slots(num_tokens: int, num_ranks: int, device: torch.device,
+               stream=None) -> torch.Tensor:
     """int32 [T, R] on `device`: slot s * T + t in column s of row t, the pre-reduced
     finalize index when every token has an expert on every source's EP rank (EP = 1 and no
-    token dropped). Cached (read only): it depends on the shapes alone."""
+    token dropped). Cached (read only): it depends on the shapes alone, and on `stream`,
+    the current stream of `device` (CUDA), where it is made: each stream gets its own, so
+    that every use of a cached table is ordered after its making and before its memory is
+    reused (tensors made on one stream and read on another need that ordering)."""
     with torch.inference_mode(False):  # a normal tensor: usable in training forwards too
         return (torch.arange(num_ranks, dtype=torch.int32, device=device)[None, :] * num_tokens
                 + torch.arange(num_tokens, dtype=torch.int32, device=device)[:, None])
@@ -252,7 +256,7 @@ class PreReducedCall(_Call):
             # EP = 1 with every token routed (top-k experts each: no token dropped, which the
             # shared counts tell without a device sync): every slot, a cached table.
             t_me = self.tokens[me]
-            slots = _all_slots(t_me, num_ranks, device)
+            slots = _all_slots(t_me, num_ranks, device, stream)
             full = (ep == 1 and bool(meta.topk)
                     and int(meta.routed_counts[me].sum()) == meta.topk * t_me)
             if full:

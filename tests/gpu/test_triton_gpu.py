@@ -96,7 +96,7 @@ def _run_tile(case: OpCase, rank: int, tile, poison: bool = False) -> torch.Tens
 
 
 def _tile_variants() -> dict:
-    """GEMM2 tile configurations besides the default, checked against the reference."""
+    """GEMM2 tile configurations besides the default, checked against the dense formula."""
     from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
 
     return {"128x256 s4": TileConfig(num_stages=4),
