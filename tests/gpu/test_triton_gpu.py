@@ -355,10 +355,10 @@ def _timeout_worker(rank: int, world: int) -> list:
     return messages
 
 
-def test_timeout_names_rank_and_sender():
-    _needs_gpus(2)
-    # ~20 s when it passes; a hang shows every rank's stack at the limit (seen once, v4.3).
-    messages = run_distributed(_timeout_worker, 2, timeout_s=120, backend="nccl")[0]
+def check_timeout_messages(messages: list) -> None:
+    """The three diagnoses `_timeout_worker` collects on rank 0, in order: its finalize
+    waiting for rank 1's arrivals, its producer and then its pre-reduced send waiting for
+    rank 1 to free its receive buffer; each names rank 0 and the rank waited for."""
     assert len(messages) == 3, messages
     for message in messages:
         assert "tp_ep rank 0" in message, message
@@ -367,6 +367,13 @@ def test_timeout_names_rank_and_sender():
         messages[1]
     assert "pre-reduced send timed out waiting for rank 1 to free its receive buffer" in \
         messages[2], messages[2]
+
+
+def test_timeout_names_rank_and_sender():
+    _needs_gpus(2)
+    # ~20 s when it passes; a hang shows every rank's stack at the limit (seen once, v4.3).
+    check_timeout_messages(run_distributed(_timeout_worker, 2, timeout_s=120,
+                                           backend="nccl")[0])
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
