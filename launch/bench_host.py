@@ -328,16 +328,19 @@ def main(argv=None) -> int:
                              "times warm under cProfile and print its 30 costliest "
                              "functions by own time")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="torch's intra-op threads while timing (torch.set_num_threads; "
-                             "default 1: on a shared 2-core machine torch's default made "
-                             "these timings vary 40-70x between runs; 0: torch's default)")
+                        help="torch's intra-op threads while timing (torch.set_num_threads, "
+                             "1 to the machine's cores; default 1: on a shared 2-core "
+                             "machine torch's default made these timings vary 40-70x between "
+                             "runs; 0: leave the process's count as it is)")
     parser.add_argument("--gpu", action="store_true",
                         help="time a world-1 combine call's host side on the GPU instead, "
                              "under each launch setting (CUDA only; the module docstring "
                              "lists the steps)")
     args = parser.parse_args(argv)
-    if args.threads < 0:
-        parser.error(f"--threads: {args.threads}: expected 0 (torch's default) or more")
+    cores = os.cpu_count() or 1
+    if not 0 <= args.threads <= cores:
+        parser.error(f"--threads: {args.threads}: expected 0 (the process's count as it is) "
+                     f"to {cores} (this machine's cores)")
     from megatron_overlap.bench.cli import check_launch_inputs
 
     try:

@@ -171,6 +171,33 @@ def alt_environment(alt: Optional[Tuple[str, str]]):
             os.environ[var] = before
 
 
+def make_folder(out: str, flag: str = "--out") -> None:
+    """Create the folder of the file path `out` (and its parents) if missing.
+
+    Raises:
+        ValueError: it cannot be made: the message names the part of its path that is not a
+            directory (the OS says only "File exists" or "Not a directory"), or the OS's
+            reason.
+    """
+    folder = os.path.dirname(out)
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        # the deepest part of the folder's path that exists: a non-directory there is the
+        # reason
+        existing = folder
+        while existing and not os.path.lexists(existing):
+            parent = os.path.dirname(existing)
+            existing = "" if parent == existing else parent
+        if existing and not os.path.isdir(existing):
+            raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r}: "
+                             f"{existing!r} is not a directory") from None
+        raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} "
+                         f"({err.strerror})") from None
+
+
 def check_launch_inputs(out: str, flag: str = "--out") -> None:
     """What every launcher checks before any work: each `MEGATRON_OVERLAP_*` variable
     (`megatron_overlap.config.check_environment`), that the results file `out` does not
@@ -193,20 +220,7 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
         raise ValueError(f"{flag} {out!r} is a directory: give a file path")
     folder = os.path.dirname(out)
     if folder:
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as err:
-            # the deepest part of the folder's path that exists: a non-directory there is
-            # the reason (the OS says "File exists" or "Not a directory")
-            existing = folder
-            while existing and not os.path.lexists(existing):
-                parent = os.path.dirname(existing)
-                existing = "" if parent == existing else parent
-            if existing and not os.path.isdir(existing):
-                raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r}: "
-                                 f"{existing!r} is not a directory") from None
-            raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} "
-                             f"({err.strerror})") from None
+        make_folder(out, flag)
         if os.path.isdir(out):  # e.g. "new/../results": a directory once "new" exists
             raise ValueError(f"{flag} {out!r} is a directory: give a file path")
     # Writable? (a folder can exist and still refuse files: no permission, a read-only or

@@ -115,8 +115,11 @@ TARGETS = {
 MEMORY_TARGET = 0.10
 """Largest accepted (own_peak(on) - own_peak(off)) / own_peak(off)."""
 
-_KEY_FIELDS = ("benchmark", "model", "layout", "num_layers", "seq_length", "variant", "dtype",
-               "gpu", "backend_requested", "attention")
+_KEY_FIELDS = ("benchmark", "model", "layout", "num_layers", "seq_length", "variant",
+               "backend_requested", "attention")
+"""A table cell's identity: of rows with the same values the newest is kept (so a row of
+another GPU or dtype replaces an older one of the same workload and variant, and
+`environment_section` warns where a benchmark's rows mix GPUs or dtypes)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -613,13 +616,22 @@ def environment_section(rows: list[dict]) -> str:
     text = _table(list(fields) + ["timestamps (UTC)", "rows"], lines)
     commits: dict = {}
     for row in rows:
-        if row.get("git_sha"):
+        if row.get("git_sha") and row["git_sha"] != "unknown":
             commits.setdefault(row["benchmark"], set()).add(str(row["git_sha"]))
     for benchmark, shas in sorted(commits.items()):
         if len(shas) > 1:
             text += (f"\n\n**Note:** the {benchmark} rows come from {len(shas)} commits ("
                      + ", ".join(sorted(shas)) + "): its tables compare code versions as "
                      "well as workloads.")
+    for field, what in (("gpu", "GPUs (or the CPU)"), ("dtype", "dtypes")):
+        per_benchmark: dict = {}
+        for row in rows:
+            per_benchmark.setdefault(row["benchmark"], set()).add(str(row.get(field, "-")))
+        for benchmark, values in sorted(per_benchmark.items()):
+            if len(values) > 1:
+                text += (f"\n\n**Warning:** the {benchmark} rows come from several {what} ("
+                         + ", ".join(sorted(values)) + "): a speedup may divide one's time "
+                         "by another's.")
     return text
 
 
@@ -714,9 +726,10 @@ def render(rows: list[dict], notes: dict, paths: Sequence[str], out: str,
     cpu_rows = sum(1 for row in rows if row.get("gpu") == "cpu")
     if cpu_rows:
         parts += ["", f"**CPU times:** {cpu_rows} of these rows were measured on a CPU "
-                  "(`--include-cpu`): the fp32 reference path on host memory, no Triton "
-                  "kernel and no GPU, so they check the plumbing, not the speed targets, "
-                  "which are defined on GPUs."]
+                  "(`--include-cpu`): models in host memory, no GPU and no Triton kernel "
+                  "(flag on runs the reference path there), so they check the plumbing, "
+                  "not the speed targets, which are defined on GPUs (their verdicts below "
+                  "say nothing about them)."]
     for benchmark, title in (("layer", "MoE layer (`launch/bench_layer.py`)"),
                              ("prefill", "Full-model prefill (`launch/prefill.py`)")):
         groups = workloads(rows, benchmark)
@@ -889,9 +902,15 @@ def main(argv: list[str] | None = None) -> int:
                                               " (CPU rows need --include-cpu)"),
               file=sys.stderr)
         return 2
+    from megatron_overlap.bench.cli import make_folder
+
+    try:
+        make_folder(args.out)
+    except ValueError as err:
+        print(f"make_report: {err}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         plots = {}
         for benchmark in ("layer", "prefill"):
             groups = workloads(rows, benchmark)

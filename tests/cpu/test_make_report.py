@@ -121,9 +121,25 @@ def test_cpu_rows_and_several_commits_are_flagged():
     assert "**CPU times:** 1 of these rows were measured on a CPU" in text
     assert ("**Note:** the layer rows come from 2 commits (abc, def): its tables compare "
             "code versions as well as workloads.") in text
-    # One commit per benchmark, different between benchmarks: no note.
+    # the CPU row is one of two kinds of device in the layer rows
+    assert ("**Warning:** the layer rows come from several GPUs (or the CPU) (SYNTHETIC-TEST-"
+            "GPU, cpu): a speedup may divide one's time by another's.") in text
+    # One commit per benchmark, different between benchmarks: no note; nor for an unknown
+    # commit; rows of two dtypes: a warning.
     rows = _layer_rows() + [dict(r, git_sha="def") for r in _prefill_rows()]
-    assert "commits (" not in mr.render(rows, notes, ["r.jsonl"], "report.md", {})
+    rows[0] = dict(rows[0], git_sha="unknown")
+    text = mr.render(rows, notes, ["r.jsonl"], "report.md", {})
+    assert "commits (" not in text and "several" not in text
+    rows[1] = dict(rows[1], dtype="fp32")
+    assert "the layer rows come from several dtypes (bf16, fp32)" in mr.render(
+        rows, notes, ["r.jsonl"], "report.md", {})
+
+
+def test_rows_of_another_gpu_replace_older_ones_of_the_same_cell():
+    rows = _layer_rows()
+    newer = dict(rows[0], gpu="cpu", ms_p50=99.0, timestamp="T9")
+    kept, notes = mr.select_rows(rows + [newer], include_cpu=True)
+    assert notes["superseded"] == 1 and newer in kept and rows[0] not in kept
 
 
 def test_report_file_sections_and_plots(tmp_path):
@@ -234,8 +250,9 @@ def test_bad_paths_exit_2(tmp_path, capsys):
     assert exc.value.code == 2 and "expected the report's file path" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert mr.main([str(data), "--out", str(blocker / "r.md"), "--no-plots"]) == 2
-    assert "cannot write" in capsys.readouterr().err
+    for out in (blocker / "r.md", blocker / "x" / "r.md"):  # the file in the way is named
+        assert mr.main([str(data), "--out", str(out), "--no-plots"]) == 2
+        assert f"'{blocker}' is not a directory" in capsys.readouterr().err
 
 
 def test_operator_table_refuses_layer_rows(tmp_path):

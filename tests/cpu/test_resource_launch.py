@@ -373,6 +373,9 @@ def test_bench_host_times_every_step(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_host.main(["--threads", "-1", "--rounds", "1"])
     assert exc.value.code == 2 and "--threads: -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # more threads than cores
+        bench_host.main(["--threads", "100000", "--rounds", "1"])
+    assert exc.value.code == 2 and "this machine's cores" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # 60 experts do not split over 7 ranks
         bench_host.main(["--model", "qwen1.5-moe-a2.7b", "--ep", "7", "--rounds", "1"])
     assert exc.value.code == 2

@@ -13,7 +13,7 @@ a row), against the dense formula only (no reference backend runs without a proc
 group), with the k values up to a rank's share of the SMs (on an H200: up to 32 at world 2,
 16 at world 4), and another random 200-call sequence (it draws k from that shorter list);
 back-to-back calls with a late finalize; finalizes waiting for a late sender; the timeouts'
-diagnoses.
+diagnoses (at world 2, EP2).
 
 What this cannot cover: NVLink (stores and TMA stores into another GPU's memory, the
 system-scope ordering between two GPUs), symmetric-memory allocation and its rendezvous,
