@@ -8,8 +8,9 @@ to it (`<out stem>_layer.png`, `<out stem>_prefill.png`: t_baseline / t_on again
 length, one panel per model and layout). Other rows (the operator benchmark's, which have
 no `schema` field) are skipped and counted; so are CPU rows (timings of a CPU run are not
 benchmark numbers) unless `--include-cpu`. When several rows have the same key (benchmark,
-model, layout, layers, sequence length, variant, dtype, GPU, requested backend, attention)
-the newest (`timestamp`) wins.
+model, layout, layers, sequence length, variant, requested backend, attention: a table
+cell) the newest (`timestamp`) wins, whatever its GPU and dtype; the report warns where a
+benchmark's rows mix GPUs or dtypes, or commits.
 
 `--breakdown FILE ...` adds a section "Where the host time goes": the layer rows of a run with
 `--host-breakdown` (their `host_breakdown_us`), flag on against each baseline, stage by stage
