@@ -604,8 +604,9 @@ def labels_section(rows: list[dict]) -> str:
 
 
 def environment_section(rows: list[dict]) -> str:
-    """Distinct hardware/software combinations of the rows, with their time span, and a
-    note for a benchmark whose rows come from several commits (`git_sha`)."""
+    """Distinct hardware/software combinations of the rows, with their time span; a note
+    for a benchmark whose rows come from several commits (`git_sha`, "unknown" left out),
+    a warning for one whose rows come from several GPUs or dtypes."""
     fields = ("gpu", "world_size", "python", "torch", "cuda", "triton", "megatron_core",
               "megatron_overlap", "transformer_engine", "grouped_mm", "git_sha")
     combos: dict = {}
