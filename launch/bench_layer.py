@@ -255,7 +255,8 @@ class RunConfig:
 ALT_ENV_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
                      "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_FC1_CHUNK_MB",
                      "MEGATRON_OVERLAP_SOLVER", "MEGATRON_OVERLAP_HW_PROFILE",
-                     "MEGATRON_OVERLAP_HOST_TABLES", "MEGATRON_OVERLAP_HOST_CACHE")
+                     "MEGATRON_OVERLAP_HOST_TABLES", "MEGATRON_OVERLAP_HOST_CACHE",
+                     "MEGATRON_OVERLAP_HOST_SPLITS")
 """The variables `--alt-env` takes: those of the fused path, each read per call
 (`megatron_overlap.config.check_environment` checks their values)."""
 
@@ -1034,7 +1035,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "bias_activation_fusion": run.bias_activation_fusion,
                 "fc1_chunk_bytes": fc1_chunk_bytes(),
                 # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
-                # host_tables, fast_launch, host_cache
+                # host_tables, fast_launch, host_cache, host_splits
                 **fused_path_settings(),
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,

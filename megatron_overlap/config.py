@@ -43,6 +43,13 @@ layout extension is built, the tile list is built on the device, the default
 always has; otherwise "steps" runs) or "steps" (`direct_layout`'s arrays, then numpy copies
 into the buffer: the path before v5.4, kept for comparison)."""
 
+HOST_SPLITS_ENV = "MEGATRON_OVERLAP_HOST_SPLITS"
+"""How the flag-on dispatcher gets the dispatch's counts to the host (`host_splits_enabled`):
+"1" (default) one gather and one device-to-host copy of every rank's tokens per expert,
+from which the host derives Megatron's splits; "0" Megatron's own `preprocess` and its
+device-to-host copies, plus the counts' copy of ours (the path before v5.7, kept for
+comparison)."""
+
 FC1_CHUNK_ENV = "MEGATRON_OVERLAP_FC1_CHUNK_MB"
 """The grouped FC1's chunk of rows, in MiB of [rows, F] (`fc1_chunk_bytes`)."""
 
@@ -57,7 +64,8 @@ def check_environment() -> None:
     check) instead of at the first GPU launch: `MEGATRON_OVERLAP_TILE_LIST`,
     `MEGATRON_OVERLAP_TMA_STORE`, `MEGATRON_OVERLAP_FAST_LAUNCH`,
     `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FC1_CHUNK_MB`,
-    `MEGATRON_OVERLAP_HOST_TABLES`, `MEGATRON_OVERLAP_HOST_CACHE`.
+    `MEGATRON_OVERLAP_HOST_TABLES`, `MEGATRON_OVERLAP_HOST_CACHE`,
+    `MEGATRON_OVERLAP_HOST_SPLITS`.
 
     Raises:
         ValueError: a bad value (the message names the variable and what it accepts).
@@ -70,6 +78,7 @@ def check_environment() -> None:
     tile_list_source()
     host_tables_mode()
     host_cache_enabled()
+    host_splits_enabled()
     tma_store_enabled()
     fast_launch_enabled()
     load_profile()
@@ -80,8 +89,8 @@ def check_environment() -> None:
 def fused_path_settings() -> dict:
     """The effective values of the fused path's per-call variables, as the benchmarks'
     rows record them: {"tma_store": bool, "tile_list": "device" | "host", "host_tables":
-    "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache": bool} (unset and
-    empty read as the defaults).
+    "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache": bool,
+    "host_splits": bool} (unset and empty read as the defaults).
 
     Raises:
         ValueError: a bad value (as `check_environment`).
@@ -90,7 +99,7 @@ def fused_path_settings() -> dict:
 
     return {"tma_store": tma_store_enabled(), "tile_list": tile_list_source(),
             "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode(),
-            "host_cache": host_cache_enabled()}
+            "host_cache": host_cache_enabled(), "host_splits": host_splits_enabled()}
 
 
 FC1_CHUNK_MAX_MB = 2**30
@@ -162,6 +171,20 @@ def host_cache_enabled() -> bool:
     value = getenv(HOST_CACHE_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{HOST_CACHE_ENV}={value!r}: expected '0' or '1'")
+    return value != "0"
+
+
+def host_splits_enabled() -> bool:
+    """$MEGATRON_OVERLAP_HOST_SPLITS: whether the flag-on dispatcher derives Megatron's
+    dispatch splits on the host from one copy of the gathered counts
+    (`GatherRSAlltoAllTokenDispatcher.preprocess`); True when unset or empty, False for "0".
+
+    Raises:
+        ValueError: any other value than "0" or "1".
+    """
+    value = getenv(HOST_SPLITS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{HOST_SPLITS_ENV}={value!r}: expected '0' or '1'")
     return value != "0"
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -110,6 +110,69 @@ def triton_metadata(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: 
         send_slots=zeros, recv_slots=zeros, dest_row_offsets=zeros,
         recv_rows_per_rank=zeros, gather_index=None, recv_token_index=None,
         topk=int(topk), routed_counts=counts, routing_map=routing_map,
+    )
+
+
+class MegatronSplits(NamedTuple):
+    """The dispatch's split sizes as Megatron's `MoEAlltoAllTokenDispatcher.preprocess`
+    computes them on the device and then copies to the host (`megatron_splits`); int64
+    numpy arrays, which may be read-only views of one another: copy before changing one.
+
+    Fields (group sizes R = TP * EP, L local experts):
+        input_splits: [EP] rows this rank sends to each EP rank (Megatron's `input_splits`).
+        output_splits: [EP] rows this rank receives from each EP rank of its TP rank's slice
+            (`output_splits`).
+        output_splits_tp: [TP] rows each TP rank of this rank's TP group received
+            (`output_splits_tp`, the TP all-gather's split sizes).
+        tokens_per_local_expert: [L] rows of each local expert after the TP all-gather
+            (what `preprocess` returns).
+        per_local_expert: [R, L] rows of each source chunk (chunk order) per local expert
+            (`num_global_tokens_per_local_expert`, `sort_chunks_by_idxs`'s split sizes).
+    """
+
+    input_splits: np.ndarray
+    output_splits: np.ndarray
+    output_splits_tp: np.ndarray
+    tokens_per_local_expert: np.ndarray
+    per_local_expert: np.ndarray
+
+
+def megatron_splits(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: int,
+                    ep_rank: int, num_experts: int,
+                    rows_per_expert_per_chunk: Optional[np.ndarray] = None) -> MegatronSplits:
+    """Megatron's dispatch splits from every rank's tokens per expert, on the host.
+
+    Megatron's `MoEAlltoAllTokenDispatcher.preprocess` (megatron-core 0.19) gathers the
+    [E] counts over the tp_ep group, derives the splits with a handful of device operations
+    and copies each to the host (`_maybe_dtoh_and_synchronize`); the flag-on dispatcher
+    copies the gathered counts once (it needs all of them for the fused op) and derives
+    the same numbers here, with few numpy operations (each costs tens of microseconds on
+    a forward's cold host, docs/perf_notes.md v5.4).
+
+    Args:
+        counts: [R, >= E] int64 host array, group order (columns past E are ignored).
+        tp_size, tp_rank, ep_size, ep_rank: this rank's place in the tp_ep group.
+        num_experts: E (a multiple of ep_size).
+        rows_per_expert_per_chunk: [L, R] this rank's `GatherRSMetadata` field, when the
+            caller has it (it is `per_local_expert` transposed); computed otherwise.
+
+    Returns:
+        `MegatronSplits`.
+    """
+    num_local = num_experts // ep_size
+    group_size = tp_size * ep_size
+    if rows_per_expert_per_chunk is None:
+        rows_per_expert_per_chunk = counts.take(_chunk_take_index(
+            tp_size, ep_size, ep_rank, num_local, counts.shape[1])).reshape(num_local,
+                                                                            group_size)
+    per_chunk = rows_per_expert_per_chunk.sum(axis=0).reshape(tp_size, ep_size)
+    me = ep_rank * tp_size + tp_rank
+    return MegatronSplits(
+        input_splits=counts[me, :num_experts].reshape(ep_size, num_local).sum(axis=1),
+        output_splits=per_chunk[tp_rank],
+        output_splits_tp=per_chunk.sum(axis=1),
+        tokens_per_local_expert=rows_per_expert_per_chunk.sum(axis=1),
+        per_local_expert=rows_per_expert_per_chunk.T,
     )
 
 

@@ -61,7 +61,8 @@ Common fields:
   where the flag-on variant runs the Triton backend; absent before v5.2), tile_list /
   host_tables / fast_launch (the run's `MEGATRON_OVERLAP_TILE_LIST` / `_HOST_TABLES` /
   `_FAST_LAUNCH`, effective values; absent before v5.4), host_cache (the run's
-  `MEGATRON_OVERLAP_HOST_CACHE`, effective: bool; absent before v5.5), timing_order
+  `MEGATRON_OVERLAP_HOST_CACHE`, effective: bool; absent before v5.5), host_splits (the
+  run's `MEGATRON_OVERLAP_HOST_SPLITS`, effective: bool; absent before v5.7), timing_order
   (the variants' order in the timed rounds: "williams", `bench.measure.round_order`, from
   v5.4; absent before, when bench_layer rotated the order every round and prefill kept
   off, on, off-grouped, so every variant had the same predecessor in every round),
@@ -639,7 +640,7 @@ def environment_section(rows: list[dict]) -> str:
 
 SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes",
                   "tma_store", "tile_list", "host_tables", "fast_launch", "host_cache",
-                  "timing_order")
+                  "host_splits", "timing_order")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
 in older rows: shown as "-")."""
 

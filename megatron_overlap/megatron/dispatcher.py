@@ -1,15 +1,17 @@
 """Alltoall token dispatcher whose combine half is the fused GEMM2 + GatherRS operation.
 
-The dispatch half is Megatron's `MoEAlltoAllTokenDispatcher`, unchanged, plus every rank's
-tokens per expert, from which every rank knows the tokens per local expert per source rank
-and the row layout of every receive buffer (also with one local expert, where Megatron does
-not keep them). On the Triton path these counts are the ones Megatron's `preprocess`
-all-gathers anyway (it keeps only the local experts' slice; `preprocess` below keeps the
-whole [R, E] tensor); otherwise, or if that gather is not seen, a small all-gather of our
-own. When the reference path
-will run, each routed row's *slot* (`metadata.source_slots`, 4 bytes a row) also travels
-with the tokens, so the expert side can pre-reduce a token's rows; the Triton path needs no
-slots (its rows are summed where their token lives) and skips them.
+The dispatch half is Megatron's `MoEAlltoAllTokenDispatcher` (its permute, all-to-alls, TP
+all-gather and sort, unchanged) with every rank's tokens per expert kept on the host, from
+which every rank knows the tokens per local expert per source rank and the row layout of
+every receive buffer (also with one local expert, where Megatron does not keep them).
+`preprocess` gathers these counts over the tp_ep group once and copies them to the host
+once; Megatron's split sizes are derived from that copy on the host (`megatron_splits`)
+instead of by Megatron's device operations and its five device-to-host copies
+(`MEGATRON_OVERLAP_HOST_SPLITS=0`: Megatron's `preprocess` as it is, then the counts it
+gathered copied to the host by us). When the reference path will run, each routed row's
+*slot* (`metadata.source_slots`, 4 bytes a row) also travels with the tokens, so the
+expert side can pre-reduce a token's rows; the Triton path needs no slots (its rows are
+summed where their token lives) and skips them.
 
 The combine half (`gemm2_gatherrs_combine`) replaces Megatron's `combine_preprocess`
 (unsort + TP reduce-scatter), `token_combine` (EP all-to-all) and the un-permute of
@@ -29,10 +31,11 @@ from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_overlap._host import current_stream
-from megatron_overlap.config import check_environment
+from megatron_overlap.config import check_environment, host_splits_enabled
 from megatron_overlap.metadata import (
     GatherRSMetadata,
     build_metadata,
+    megatron_splits,
     source_slots,
     triton_metadata,
 )
@@ -100,9 +103,9 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         ValueError: the config is not supported by the fused path (`validate_gatherrs_config`),
             or an environment variable of the fused path has a bad value (every variable
             `megatron_overlap.config.check_environment` checks: `MEGATRON_OVERLAP_` +
-            `TILE_LIST`, `HOST_TABLES`, `HOST_CACHE`, `TMA_STORE`, `FAST_LAUNCH`,
-            `HW_PROFILE`, `SOLVER`, `FC1_CHUNK_MB`): checked here, on every device, so that a typo does not wait for
-            the first GPU launch.
+            `TILE_LIST`, `HOST_TABLES`, `HOST_CACHE`, `HOST_SPLITS`, `TMA_STORE`,
+            `FAST_LAUNCH`, `HW_PROFILE`, `SOLVER`, `FC1_CHUNK_MB`): checked here, on every
+            device, so that a typo does not wait for the first GPU launch.
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
 
@@ -127,6 +130,10 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._num_sms = None
         self._counts_pinned = None  # reused pinned host buffer of the counts (CUDA)
         self._counts_event = None  # reused event: the counts' copy into it is done
+        self._counts_ready = self._counts_host = None  # this forward's queued copy
+        self._host_splits = False  # this forward derives Megatron's splits on the host
+        self._host_sync_point = None  # ... at this point of Megatron's (see preprocess)
+        self._splits_done = False  # ... and has done so
 
     # ---- dispatch half: Megatron's, plus the counts (and slots for the reference path) -
 
@@ -141,11 +148,21 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return triton_unavailable_reason(hidden_states, hidden_states, group) is None
 
     def preprocess(self, routing_map):
-        """Megatron's `preprocess`; on the Triton path (`dispatch_preprocess` sets
-        `_keep_counts`) it also keeps the [R * E] tokens-per-expert tensor that Megatron
-        all-gathers over the tp_ep group there (`gather_from_sequence_parallel_region` of
-        `num_local_tokens_per_expert`), in `_megatron_counts`; None if that gather did not
-        happen exactly once with that size (then `dispatch_preprocess` gathers its own)."""
+        """Megatron's `preprocess` on the host-splits path (`dispatch_preprocess` sets
+        `_host_splits`: $MEGATRON_OVERLAP_HOST_SPLITS on, and no CUDA graph of the
+        preprocess): every rank's tokens per expert (with the slot columns where the
+        reference path runs) gathered over the tp_ep group and queued for one copy to the
+        host; Megatron's splits are derived from that copy where Megatron would first
+        synchronize (`_maybe_dtoh_and_synchronize`). Returns None (Megatron's tokens per
+        local expert come from that point).
+
+        Otherwise Megatron's `preprocess`; on the Triton path (`_keep_counts`) it also keeps
+        the [R * E] tokens-per-expert tensor that Megatron all-gathers over the tp_ep group
+        there (`gather_from_sequence_parallel_region` of `num_local_tokens_per_expert`), in
+        `_megatron_counts`; None if that gather did not happen exactly once with that size
+        (then `dispatch_preprocess` gathers its own)."""
+        if self._host_splits:
+            return self._preprocess_host_splits(routing_map)
         self._megatron_counts = None
         if not getattr(self, "_keep_counts", False):
             return super().preprocess(routing_map)
@@ -167,11 +184,104 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._megatron_counts = seen[0]
         return result
 
+    def _preprocess_host_splits(self, routing_map):
+        num_ranks = self.tp_size * self.ep_size
+        self._splits_done = False
+        if self._triton:
+            self._row_slot = self._dest_token_mask = None
+            counts = routing_map.sum(dim=0)  # [E] int64 (a sum of bools)
+        else:  # reference path: [E + EP], the slot columns after the experts
+            self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
+                routing_map, self.ep_size)
+            counts = torch.cat([routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
+        if num_ranks > 1:
+            with span("mo.counts_all_gather"):
+                gathered = counts.new_empty(num_ranks * counts.numel())
+                all_gather_flat(gathered, counts, group=self.tp_ep_group)
+                counts = gathered
+        self._queue_counts(counts.view(num_ranks, -1))
+        dropping = self.config.moe_expert_capacity_factor is not None
+        # Megatron's rule (`preprocess`): the first point whose code reads a split on the host
+        # (a capacity's num_out_tokens before the permute; the EP all-to-all's splits; the
+        # sort's chunk sizes; the tokens per local expert at the end).
+        self._host_sync_point = (
+            "before_permutation_1" if dropping else "before_ep_alltoall" if num_ranks > 1
+            else "before_permutation_2" if self.num_local_experts > 1 else "before_finish")
+        self.num_out_tokens = (None if dropping
+                               else routing_map.size(0) * self.config.moe_router_topk)
+        return None
+
+    def _queue_counts(self, counts: torch.Tensor) -> None:
+        """Start the copy of the [R, C] counts to the host (`_counts_to_host` finishes it)."""
+        if counts.is_cuda:
+            # Into pinned memory asynchronously, with an event: only this copy is waited for.
+            # A blocking .cpu() would wait for everything queued by then, and the GPU would
+            # idle while the host builds the metadata and enqueues FC1 (measured: ~1.2 ms at
+            # 4096 tokens, Qwen3). Buffer and event are reused: the previous forward read
+            # the buffer (a copy, in _counts_to_host) before this copy is queued.
+            host = self._counts_pinned = refill(self._counts_pinned, counts, pin_memory=True)
+            if self._counts_event is None:
+                self._counts_event = torch.cuda.Event()
+            self._counts_event.record(current_stream(counts.device))
+            self._counts_ready = self._counts_event
+            self._counts_host = host
+        else:
+            self._counts_ready, self._counts_host = None, counts
+
+    def _counts_to_host(self) -> None:
+        """Wait for `_queue_counts`'s copy; `_counts` = [R, C] int64 numpy, this forward's."""
+        with span("mo.counts_to_host"):
+            if self._counts_ready is not None:
+                self._counts_ready.synchronize()
+            # a copy: the pinned buffer is refilled by the next forward
+            self._counts = self._counts_host.numpy().copy()
+        self._counts_ready = self._counts_host = None
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
+        """Megatron's, except on the host-splits path: there nothing is copied, and at the
+        sync point the counts' copy is waited for, Megatron's splits (`input_splits`,
+        `output_splits`, `output_splits_tp`, `num_global_tokens_per_local_expert`, a
+        capacity's `num_out_tokens`) are set from it on the host, as the types Megatron
+        copies them to (numpy arrays, CPU tensors), and the [L] int64 CPU tensor of tokens per
+        local expert is returned; on the Triton path `metadata` is built there too."""
+        if not self._host_splits:
+            return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+        if point != self._host_sync_point:
+            return tokens_per_expert
+        self._counts_to_host()
+        counts, num_experts = self._counts, self.num_experts
+        rows = None
+        if self._triton:
+            with span("mo.build_metadata"):
+                self.metadata = self._build_metadata(None)
+            rows = self.metadata.rows_per_expert_per_chunk
+        if self.tp_size * self.ep_size == 1:  # no splits; the counts are the local experts'
+            tokens, per_local = counts[0, :num_experts], counts[:, :num_experts]
+        else:
+            splits = megatron_splits(counts, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                     ep_size=self.ep_size, ep_rank=self.ep_rank,
+                                     num_experts=num_experts, rows_per_expert_per_chunk=rows)
+            self.input_splits = splits.input_splits
+            self.output_splits = splits.output_splits
+            self.output_splits_tp = splits.output_splits_tp
+            tokens, per_local = splits.tokens_per_local_expert, splits.per_local_expert
+        if self.num_local_experts > 1:
+            self.num_global_tokens_per_local_expert = torch.from_numpy(per_local)
+        if self.num_out_tokens is None:  # a capacity: the routed rows that were kept
+            me = self.ep_rank * self.tp_size + self.tp_rank
+            self.num_out_tokens = int(counts[me, :num_experts].sum())
+        self._splits_done = True
+        return torch.from_numpy(tokens)
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """Megatron's `dispatch_preprocess`, then every rank's routing counts (Megatron's
-        own on the Triton path, see `preprocess`), and this rank's slots where the reference
-        path will read them."""
+        """Megatron's `dispatch_preprocess` with this class's `preprocess` (see there); on
+        the path without host splits, then every rank's routing counts (Megatron's own on
+        the Triton path) and this rank's slots where the reference path will read them."""
         triton = self._triton = self._triton_will_run(hidden_states)
+        self._host_splits = (host_splits_enabled()
+                             and self.cuda_dtoh_point == "before_permutation_1")
+        if self._host_splits:
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
         self._keep_counts = triton and self.tp_size * self.ep_size > 1
         try:
             out = super().dispatch_preprocess(hidden_states, routing_map, probs)
@@ -200,22 +310,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                     gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
                     all_gather_flat(gathered, counts, group=self.tp_ep_group)
                     counts = gathered
-        counts = counts.view(self.tp_size * self.ep_size, -1)
-        if counts.is_cuda:
-            # Into pinned memory asynchronously, with an event: dispatch_postprocess waits for
-            # this copy only. A blocking .cpu() there would wait for everything queued by then
-            # (the token all-to-all, Megatron's sort), and the GPU would idle while the host
-            # builds the metadata and enqueues FC1 (measured: ~1.2 ms at 4096 tokens, Qwen3).
-            # Buffer and event are reused: the previous forward read the buffer (a copy, in
-            # dispatch_postprocess) before this copy is queued.
-            host = self._counts_pinned = refill(self._counts_pinned, counts, pin_memory=True)
-            if self._counts_event is None:
-                self._counts_event = torch.cuda.Event()
-            self._counts_event.record(current_stream(counts.device))
-            self._counts_ready = self._counts_event
-            self._counts_host = host
-        else:
-            self._counts_ready, self._counts_host = None, counts
+        self._queue_counts(counts.view(self.tp_size * self.ep_size, -1))
         return out
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
@@ -231,22 +326,44 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         """Megatron's TP all-gather + sort by local expert (applied to the slots too, where
-        the reference path needs them); then builds `metadata`."""
-        tokens, tokens_per_expert, probs = super().dispatch_postprocess(
-            global_input_tokens, global_probs
-        )
-        with span("mo.counts_to_host"):
-            if self._counts_ready is not None:
-                self._counts_ready.synchronize()
-            # [R, E] on the Triton path, [R, E + EP] (slot columns) on the reference path; a
-            # copy: the pinned buffer is refilled by the next forward
-            self._counts = self._counts_host.numpy().copy()
-        self._counts_ready = self._counts_host = None
+        the reference path needs them; on the host-splits path at world 1, where the sort
+        is the identity, neither runs); then builds `metadata` (on the host-splits Triton
+        path it was built at the sync point).
+
+        Raises:
+            RuntimeError: on the host-splits path, Megatron's code never reached the sync
+                point (a megatron-core whose dispatcher calls `_maybe_dtoh_and_synchronize`
+                at other points than 0.19's).
+        """
+        if self._host_splits and self.tp_size * self.ep_size == 1:
+            # One source chunk: no TP all-gather, and Megatron's sort by local expert (an
+            # unfused split into L chunks and a cat of them, for the rows and the probs) is
+            # the identity permutation; only its two sync points remain.
+            tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2",
+                                                                 self.tokens_per_expert)
+            tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish",
+                                                                 tokens_per_expert)
+            self.tokens_per_expert = None
+            tokens, probs = global_input_tokens, global_probs
+        else:
+            tokens, tokens_per_expert, probs = super().dispatch_postprocess(
+                global_input_tokens, global_probs
+            )
+        if self._host_splits:
+            if not self._splits_done:
+                raise RuntimeError(
+                    f"the host-splits dispatch never reached Megatron's sync point "
+                    f"{self._host_sync_point!r} (this megatron-core's dispatcher does not call "
+                    "_maybe_dtoh_and_synchronize there); set MEGATRON_OVERLAP_HOST_SPLITS=0")
+            self._splits_done = False
+        else:
+            self._counts_to_host()  # [R, E] (Triton path) or [R, E + EP] (slot columns)
         row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
         if row_slot is not None:
             row_slot = self._gather_and_sort_slots(row_slot)
-        with span("mo.build_metadata"):
-            self.metadata = self._build_metadata(row_slot)
+        if not (self._host_splits and self._triton):
+            with span("mo.build_metadata"):
+                self.metadata = self._build_metadata(row_slot)
         self._row_slot = None
         return tokens, tokens_per_expert, probs
 

@@ -323,6 +323,7 @@ def test_flag_on_matches_flag_off(world):
     ("MEGATRON_OVERLAP_FC1_CHUNK_MB", "0", "MEGATRON_OVERLAP_FC1_CHUNK_MB='0'"),
     ("MEGATRON_OVERLAP_TMA_STORE", "on", "MEGATRON_OVERLAP_TMA_STORE='on'"),
     ("MEGATRON_OVERLAP_HOST_TABLES", "cpp", "MEGATRON_OVERLAP_HOST_TABLES='cpp'"),
+    ("MEGATRON_OVERLAP_HOST_SPLITS", "on", "MEGATRON_OVERLAP_HOST_SPLITS='on'"),
 ])
 def test_bad_environment_fails_at_construction(monkeypatch, var, value, match):
     """A typo in a fused-path variable is an error when the dispatcher is built, on any
@@ -367,6 +368,112 @@ def _counts_worker(rank: int, world_size: int, layouts: list) -> list:
                        and torch.equal(kept.view(world_size, -1).to(torch.int64),
                                        torch.stack(want)))
     return out
+
+
+def _as_list(value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return [int(v) for v in value] if getattr(value, "ndim", 1) == 1 else value.tolist()
+
+
+def _splits_worker(rank: int, world_size: int, cases: list) -> list:
+    """For each (TP, EP, capacity factor): the splits, tokens per local expert and dispatched
+    rows of stock Megatron's dispatcher against the flag-on dispatcher's, on the host-splits
+    path (Triton and reference) and on the path without it ($MEGATRON_OVERLAP_HOST_SPLITS=0),
+    for the same routing map (every rank a different token count)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_overlap.megatron import use_gatherrs_in_moe_spec
+    from tests.support.megatron_cpu import apply_cpu_patches, parallel_state
+
+    apply_cpu_patches()
+    out = []
+    fields = ("input_splits", "output_splits", "output_splits_tp",
+              "num_global_tokens_per_local_expert")
+    for tp, ep, num_experts, capacity in cases:
+        case = LayerCase(tp, ep, num_experts=num_experts, topk=min(2, num_experts),
+                         capacity_factor=capacity)
+        with parallel_state(tp, ep, seed=1234):
+            stock_spec = get_moe_module_spec(use_te=False, num_experts=num_experts)
+            ours_spec = use_gatherrs_in_moe_spec(stock_spec)
+            gen = torch.Generator().manual_seed(rank)
+            num_tokens = 5 + 3 * rank
+            scores = torch.rand(num_tokens, num_experts, generator=gen)
+            rmap = torch.zeros_like(scores, dtype=torch.bool)
+            rmap.scatter_(1, scores.topk(case.topk, dim=1).indices, True)
+            hidden = torch.randn(num_tokens, 32, generator=gen)
+            runs = {}
+            for name, flag, triton, host_splits in (
+                    ("stock", False, None, None), ("host", True, True, "1"),
+                    ("host-reference", True, False, "1"), ("megatron", True, True, "0"),
+                    ("megatron-reference", True, False, "0")):
+                os.environ["MEGATRON_OVERLAP_HOST_SPLITS"] = host_splits or ""
+                d = (ours_spec if flag else stock_spec)(config=_config(case, flag)).token_dispatcher
+                if triton is not None:
+                    d._triton_will_run = lambda h, triton=triton: triton
+                x, probs = d.dispatch_preprocess(hidden, rmap, scores * rmap)
+                x, probs = d.token_dispatch(x, probs)
+                x, tokens_per_expert, probs = d.dispatch_postprocess(x, probs)
+                runs[name] = {
+                    "values": {f: _as_list(getattr(d, f, None)) for f in fields},
+                    "tokens_per_expert": (type(tokens_per_expert).__name__,
+                                          tokens_per_expert.tolist()),
+                    "num_out_tokens": int(d.num_out_tokens),
+                    "rows": x, "probs": probs,
+                    "host_splits": getattr(d, "_host_splits", None),
+                    "metadata_counts": (None if not flag else
+                                        d.metadata.rows_per_expert_per_chunk.tolist()),
+                }
+            os.environ.pop("MEGATRON_OVERLAP_HOST_SPLITS")
+            stock = runs.pop("stock")
+            res = {}
+            for name, run in runs.items():
+                res[name] = {
+                    "host_splits": run["host_splits"],
+                    "same_values": run["values"] == stock["values"],
+                    "values": (run["values"], stock["values"]),
+                    "same_tokens_per_expert": run["tokens_per_expert"] == stock["tokens_per_expert"],
+                    "same_num_out_tokens": run["num_out_tokens"] == stock["num_out_tokens"],
+                    "same_rows": torch.equal(run["rows"], stock["rows"])
+                                 and torch.equal(run["probs"], stock["probs"]),
+                    "metadata_is_transpose": (stock["values"]["num_global_tokens_per_local_expert"]
+                                              is None or run["metadata_counts"] == [
+                        list(c) for c in zip(*stock["values"]["num_global_tokens_per_local_expert"])]),
+                }
+            out.append(res)
+    return out
+
+
+SPLIT_CASES = {
+    1: [(1, 1, 4, None), (1, 1, 1, None), (1, 1, 4, 1.0)],
+    2: [(1, 2, 8, None), (2, 1, 4, None), (1, 2, 2, None), (1, 2, 4, 1.0)],
+    4: [(2, 2, 8, None), (1, 4, 8, None), (4, 1, 4, None), (2, 2, 4, 1.5)],
+}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_host_splits_match_megatron(world):
+    """The flag-on dispatcher's host-derived splits (`megatron_splits`, one copy of the
+    gathered counts) are Megatron's own: `input_splits`, `output_splits`,
+    `output_splits_tp`, `num_global_tokens_per_local_expert` (also the metadata's
+    `rows_per_expert_per_chunk` transposed), the tokens per local expert (a CPU tensor, as
+    Megatron's), `num_out_tokens` (dropless and with a capacity) and the dispatched rows
+    and probs, bit for bit; at world 1, 2 (EP, TP, one local expert, capacity) and 4 (TP x
+    EP, EP, TP); on the Triton and reference paths, with the host splits on and off."""
+    cases = SPLIT_CASES[world]
+    results = run_distributed(_splits_worker, world, cases, timeout_s=300)
+    for rank, per_rank in enumerate(results):
+        for case, res in zip(cases, per_rank):
+            for name, r in res.items():
+                where = (f"world {world} rank {rank} (tp, ep, experts, capacity) {case} "
+                         f"{name}")
+                assert r["host_splits"] is (not name.startswith("megatron")), (where, r)
+                assert r["same_values"], (where, r["values"])
+                for key in ("same_tokens_per_expert", "same_num_out_tokens", "same_rows",
+                            "metadata_is_transpose"):
+                    assert r[key], (where, key)
 
 
 def _one_rank_counts_worker(rank: int, world_size: int, _unused) -> list:

@@ -251,10 +251,12 @@ def test_tile_config_refuses_sizes_no_launch_takes(fields, message):
     ("HOST_TABLES", "Fused", None),
     ("HOST_CACHE", "", True), ("HOST_CACHE", "1", True), ("HOST_CACHE", "0", False),
     ("HOST_CACHE", "yes", None), ("HOST_CACHE", "off", None),
+    ("HOST_SPLITS", "", True), ("HOST_SPLITS", "1", True), ("HOST_SPLITS", "0", False),
+    ("HOST_SPLITS", "true", None),
 ])
 def test_host_path_variables(monkeypatch, name, value, expected):
     """$MEGATRON_OVERLAP_HOST_TABLES: "fused" (default) or "steps"; $MEGATRON_OVERLAP_
-    HOST_CACHE: "1" (default) or "0". Anything else is refused by the variable's reader and
+    HOST_CACHE and $MEGATRON_OVERLAP_HOST_SPLITS: "1" (default) or "0". Anything else is refused by the variable's reader and
     by `check_environment` (the dispatcher's construction), naming the variable;
     `fused_path_settings` records the value read."""
     from megatron_overlap import config
@@ -262,6 +264,7 @@ def test_host_path_variables(monkeypatch, name, value, expected):
     var, read, accepted = {
         "HOST_TABLES": (config.HOST_TABLES_ENV, config.host_tables_mode, "'fused' or 'steps'"),
         "HOST_CACHE": (config.HOST_CACHE_ENV, config.host_cache_enabled, "'0' or '1'"),
+        "HOST_SPLITS": (config.HOST_SPLITS_ENV, config.host_splits_enabled, "'0' or '1'"),
     }[name]
     monkeypatch.setenv(var, value)
     if expected is None:
