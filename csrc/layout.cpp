@@ -1,6 +1,8 @@
 // Host tables of one fused GEMM2 + GatherRS call: the C++ twin of `direct_layout_numpy`
 // (megatron_overlap/ops/triton_gemm2_gatherrs.py, whose module docstring describes the row
 // layout). Same values, same segment order, same int32 overflow check; O(L x R + R x E + TP x E).
+// Also the flag-on dispatcher's sort-by-local-expert index (`local_expert_sort_index`, twin:
+// megatron_overlap.megatron.dispatcher.local_expert_sort_index_numpy).
 // Built as megatron_overlap.ops._layout by setup.py.
 
 #include <pybind11/numpy.h>
@@ -257,10 +259,44 @@ py::tuple direct_tables(const py::array& routed_in, int64_t tp, int64_t ep, int6
                         recv_max, s.num_rows, s.num_pairs);
 }
 
+// The gather index of Megatron's sort by local expert: rows arrive chunk-major (source
+// chunk c, then local expert l) and leave expert-major (l, then c); out[d] = the arriving
+// row that goes to position d. O(L x R + N).
+void local_expert_sort_index(const py::array& rows_in, const py::array& out_in) {
+  const Counts rows_arr = integer_counts(rows_in, "rows_per_expert_per_chunk");
+  if (rows_arr.ndim() != 2) {
+    fail("rows_per_expert_per_chunk must be [L, R], got shape " + shape_of(rows_arr));
+  }
+  const int64_t L = rows_arr.shape(0), R = rows_arr.shape(1);
+  const int64_t* rows = rows_arr.data();
+  check_counts(rows, L * R, "rows_per_expert_per_chunk");
+  std::vector<int64_t> source_start(L * R);
+  int64_t n = 0;  // < L * R * 2^31: no overflow
+  for (int64_t c = 0; c < R; ++c) {
+    for (int64_t l = 0; l < L; ++l) {
+      source_start[l * R + c] = n;
+      n += rows[l * R + c];
+    }
+  }
+  if (n >= (int64_t(1) << 31)) fail("the rows' total must be < 2^31, got " + std::to_string(n));
+  if (!out_in.dtype().is(py::dtype::of<int32_t>()) || out_in.ndim() != 1 ||
+      !(out_in.flags() & py::array::c_style) || !out_in.writeable() || out_in.shape(0) != n) {
+    fail("out must be a writeable, C-contiguous int32 array of " + std::to_string(n) +
+         " elements (the rows' total), got dtype " + std::string(py::str(out_in.dtype())) +
+         " with " + std::to_string(out_in.size()) + " elements");
+  }
+  int32_t* out = static_cast<int32_t*>(py::array(out_in).mutable_data());
+  for (int64_t i = 0; i < L * R; ++i) {
+    const int64_t start = source_start[i], count = rows[i];
+    for (int64_t k = 0; k < count; ++k) *out++ = static_cast<int32_t>(start + k);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_layout, m) {
-  m.doc() = "C++ twin of triton_gemm2_gatherrs.direct_layout_numpy (host tables of one call)";
+  m.doc() = "C++ twin of triton_gemm2_gatherrs.direct_layout_numpy (host tables of one call) "
+            "and the sort-by-local-expert index of the flag-on dispatcher";
   m.def("direct_tables", &direct_tables, py::arg("routed"), py::arg("tp_size"),
         py::arg("ep_size"), py::arg("tp_rank"), py::arg("ep_rank"), py::arg("hidden"),
         py::arg("bm"), py::arg("bn"), py::arg("expected"), py::arg("next_expected"),
@@ -286,6 +322,21 @@ Returns:
 Raises:
     ValueError: as direct_layout; expected / next_expected / out of the wrong dtype, shape or
         size, or not writeable.
+)doc");
+  m.def("local_expert_sort_index", &local_expert_sort_index,
+        py::arg("rows_per_expert_per_chunk"), py::arg("out"),
+        R"doc(The gather index of the sort by local expert (Megatron's unfused
+sort_chunks_by_idxs in MoEAlltoAllTokenDispatcher.dispatch_postprocess), written into out.
+
+Args:
+    rows_per_expert_per_chunk: [L, R] integer array (values in [0, 2^31)), chunk order: rows
+        of source chunk c for local expert l (GatherRSMetadata's field).
+    out: writeable C-contiguous int32 array of N = the rows' total elements; out[d] is the
+        arriving (chunk-major) row that goes to expert-major position d.
+
+Raises:
+    ValueError: a non-integer or non-2-D array, counts outside [0, 2^31), a total >= 2^31,
+        or out of the wrong dtype, size or layout, or not writeable.
 )doc");
   m.def("direct_layout", &direct_layout, py::arg("routed"), py::arg("rows_per_expert_per_chunk"),
         py::arg("tp_size"), py::arg("ep_size"), py::arg("tp_rank"), py::arg("ep_rank"),

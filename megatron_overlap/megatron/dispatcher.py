@@ -89,6 +89,55 @@ def refill(buffer: Optional[torch.Tensor], src: torch.Tensor, *,
     return buffer
 
 
+try:  # the C++ index (csrc/layout.cpp), built by setup.py; else the numpy twin below
+    from megatron_overlap.ops._layout import local_expert_sort_index as _sort_index_cpp
+except ImportError:
+    _sort_index_cpp = None
+
+
+def local_expert_sort_index_numpy(rows_per_expert_per_chunk: np.ndarray,
+                                  out: np.ndarray) -> None:
+    """The numpy twin of the C++ `local_expert_sort_index` (same arguments, same values,
+    fewer checks): out[d] = the arriving row (chunk-major: source chunk, then local expert)
+    that goes to expert-major position d (local expert, then source chunk)."""
+    rows = np.asarray(rows_per_expert_per_chunk, dtype=np.int64)
+    by_chunk = rows.T.reshape(-1)  # arriving order
+    source_start = (np.cumsum(by_chunk) - by_chunk).reshape(rows.shape[1], -1).T.reshape(-1)
+    sizes = rows.reshape(-1)  # leaving order
+    dest_start = np.cumsum(sizes) - sizes
+    out[:] = np.repeat(source_start - dest_start, sizes) + np.arange(out.shape[0])
+
+
+def sort_by_local_expert(tokens: torch.Tensor, probs: torch.Tensor,
+                         rows_per_expert_per_chunk: np.ndarray):
+    """Megatron's sort of the dispatched rows by local expert, as one gather per tensor.
+
+    What `MoEAlltoAllTokenDispatcher.dispatch_postprocess` does with the unfused
+    `sort_chunks_by_idxs(tokens, num_global_tokens_per_local_expert.ravel(),
+    sort_input_by_local_experts, probs=probs)` (megatron-core 0.19: a split into R * L
+    chunks and a cat of them, for each tensor), bit for bit, with the gather index built on
+    the host (C++ `local_expert_sort_index` where built) in pinned memory, one copy to the
+    device and one `index_select` per tensor (measured on one H200, Qwen3-30B-A3B's 128
+    experts at EP2, 32768 rows: host 237 -> 108 us warm, GPU 327 -> 160 us;
+    docs/perf_notes.md v5.7).
+
+    Args:
+        tokens: [N, H] rows in arriving order (source chunk, then local expert).
+        probs: [N] (or [N, ...]) their router probabilities, same order and device.
+        rows_per_expert_per_chunk: [L, R] int64 host array, chunk order (sum N).
+
+    Returns:
+        (tokens, probs) in expert-major order (local expert, then source chunk).
+    """
+    num_rows = tokens.shape[0]
+    index = torch.empty(num_rows, dtype=torch.int32, pin_memory=tokens.is_cuda)
+    (_sort_index_cpp or local_expert_sort_index_numpy)(rows_per_expert_per_chunk,
+                                                       index.numpy())
+    # pinned: the host allocator keeps the block until this copy is done
+    index = index.to(tokens.device, non_blocking=True)
+    return tokens.index_select(0, index), probs.index_select(0, index)
+
+
 class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Megatron's alltoall dispatcher with the return path fused into GEMM2 + GatherRS.
 
@@ -134,6 +183,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._host_splits = False  # this forward derives Megatron's splits on the host
         self._host_sync_point = None  # ... at this point of Megatron's (see preprocess)
         self._splits_done = False  # ... and has done so
+        self._per_local_expert = None  # [R, L] rows per source chunk and local expert
 
     # ---- dispatch half: Megatron's, plus the counts (and slots for the reference path) -
 
@@ -265,6 +315,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self.output_splits = splits.output_splits
             self.output_splits_tp = splits.output_splits_tp
             tokens, per_local = splits.tokens_per_local_expert, splits.per_local_expert
+        self._per_local_expert = per_local  # [R, L] chunk order (the sort's sizes)
         if self.num_local_experts > 1:
             self.num_global_tokens_per_local_expert = torch.from_numpy(per_local)
         if self.num_out_tokens is None:  # a capacity: the routed rows that were kept
@@ -326,25 +377,34 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         """Megatron's TP all-gather + sort by local expert (applied to the slots too, where
-        the reference path needs them; on the host-splits path at world 1, where the sort
-        is the identity, neither runs); then builds `metadata` (on the host-splits Triton
-        path it was built at the sync point).
+        the reference path needs them); on the host-splits path the sort is
+        `sort_by_local_expert` (one gather per tensor), and at world 1, where it is the
+        identity, it does not run. Then builds `metadata` (on the host-splits Triton path it
+        was built at the sync point).
 
         Raises:
             RuntimeError: on the host-splits path, Megatron's code never reached the sync
                 point (a megatron-core whose dispatcher calls `_maybe_dtoh_and_synchronize`
                 at other points than 0.19's).
         """
-        if self._host_splits and self.tp_size * self.ep_size == 1:
-            # One source chunk: no TP all-gather, and Megatron's sort by local expert (an
-            # unfused split into L chunks and a cat of them, for the rows and the probs) is
-            # the identity permutation; only its two sync points remain.
+        if self._host_splits:
+            tokens, probs = global_input_tokens, global_probs
+            if self.tp_size > 1:  # Megatron's TP all-gather, as Megatron calls it
+                sizes = self.output_splits_tp.tolist()
+                gather = _megatron_dispatcher.gather_from_sequence_parallel_region
+                tokens = gather(tokens, group=self.tp_group, output_split_sizes=sizes)
+                probs = gather(probs, group=self.tp_group, output_split_sizes=sizes)
             tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2",
                                                                  self.tokens_per_expert)
+            # The sort by local expert: one gather per tensor; with one source chunk (world
+            # 1) it is the identity and does not run.
+            if self.num_local_experts > 1 and self.tp_size * self.ep_size > 1:
+                with span("mo.sort_by_local_expert"):
+                    tokens, probs = sort_by_local_expert(tokens, probs,
+                                                         self._per_local_expert.T)
             tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish",
                                                                  tokens_per_expert)
             self.tokens_per_expert = None
-            tokens, probs = global_input_tokens, global_probs
         else:
             tokens, tokens_per_expert, probs = super().dispatch_postprocess(
                 global_input_tokens, global_probs

@@ -190,3 +190,47 @@ def test_direct_tables_bad_input():
     ]:
         with pytest.raises(ValueError, match=match):
             cpp.direct_tables(**{**good, **change})
+
+
+@pytest.mark.parametrize("num_local, num_chunks", [(1, 2), (4, 2), (3, 4), (64, 2), (8, 1)])
+def test_local_expert_sort_index_is_megatrons_sort(num_local, num_chunks):
+    """`sort_by_local_expert` (the C++ index, and its numpy twin) gives Megatron's unfused
+    `sort_chunks_by_idxs` with the dispatcher's `sort_input_by_local_experts`, bit for
+    bit, for rows and probs; zero-row chunks and experts included."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    from megatron_overlap.megatron import dispatcher as d
+
+    rng = np.random.default_rng(num_local * 10 + num_chunks)
+    rows = rng.integers(0, 5, size=(num_local, num_chunks)) * (rng.random((num_local,
+                                                                           num_chunks)) > 0.3)
+    n = int(rows.sum())
+    tokens = torch.randn(n, 6)
+    probs = torch.rand(n)
+    # Megatron's sort order (MoEAlltoAllTokenDispatcher.__init__): chunk-major in, expert-major out
+    sorted_idxs = torch.arange(num_chunks * num_local).reshape(-1, num_local).T.ravel()
+    want = sort_chunks_by_idxs(tokens, torch.from_numpy(rows.T.reshape(-1).copy()),
+                               sorted_idxs, probs=probs)
+    got = d.sort_by_local_expert(tokens, probs, rows)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    twin = np.empty(n, dtype=np.int32)
+    d.local_expert_sort_index_numpy(rows, twin)
+    native = np.empty(n, dtype=np.int32)
+    cpp.local_expert_sort_index(rows, native)
+    assert np.array_equal(twin, native)
+
+
+def test_local_expert_sort_index_bad_input():
+    rows = np.array([[1, 2], [0, 3]])
+    with pytest.raises(ValueError, match=r"must be \[L, R\]"):
+        cpp.local_expert_sort_index(rows.reshape(-1), np.empty(6, np.int32))
+    with pytest.raises(ValueError, match="integer array"):
+        cpp.local_expert_sort_index(rows.astype(np.float32), np.empty(6, np.int32))
+    with pytest.raises(ValueError, match=r"in \[0, 2\^31\)"):
+        cpp.local_expert_sort_index(-rows, np.empty(6, np.int32))
+    with pytest.raises(ValueError, match="6 elements"):
+        cpp.local_expert_sort_index(rows, np.empty(5, np.int32))
+    with pytest.raises(ValueError, match="int32 array"):
+        cpp.local_expert_sort_index(rows, np.empty(6, np.int64))
+    with pytest.raises(ValueError, match=r"total must be < 2\^31"):
+        cpp.local_expert_sort_index(np.full((2, 1), 2**30 + 1), np.empty(1, np.int32))

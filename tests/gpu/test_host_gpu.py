@@ -1,5 +1,7 @@
 """`megatron_overlap._host.current_stream` on a GPU: always the stream torch calls current,
-across stream switches, new streams and external streams. Skipped without CUDA."""
+across stream switches, new streams and external streams; the Triton scratch, the host
+harness and the flag-on dispatcher's sort by local expert on the GPU. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -78,3 +80,30 @@ def test_bench_host_gpu_times_a_combine_call(tmp_path):
     assert [r["step"] for r in rows] == [n for n, _ in bench_host.GPU_VARIANTS] + [
         "finalize launch"]
     assert all(r["cold_us"] > 0 and r["ep"] == 1 and r["gpu"] != "cpu" for r in rows)
+
+
+def test_sort_by_local_expert_on_gpu():
+    """The dispatcher's sort by local expert on CUDA (index built in pinned memory, copied,
+    one `index_select` per tensor) is Megatron's unfused `sort_chunks_by_idxs` bit for bit,
+    also when the pinned index blocks are reused by later calls while earlier gathers may
+    still be queued (20 calls back to back, each checked afterwards)."""
+    import numpy as np
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    from megatron_overlap.megatron.dispatcher import sort_by_local_expert
+
+    rng = np.random.default_rng(0)
+    got, want = [], []
+    for call in range(20):
+        num_local, num_chunks = (64, 2) if call % 2 else (30, 4)
+        rows = rng.integers(0, 200, size=(num_local, num_chunks))
+        n = int(rows.sum())
+        tokens = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
+        probs = torch.rand(n, device="cuda")
+        order = torch.arange(num_chunks * num_local).reshape(-1, num_local).T.ravel()
+        want.append(sort_chunks_by_idxs(tokens, torch.from_numpy(rows.T.reshape(-1).copy()),
+                                        order, probs=probs))
+        got.append(sort_by_local_expert(tokens, probs, rows))
+    torch.cuda.synchronize()
+    for call, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]), call
