@@ -168,10 +168,7 @@ def host_cache_enabled() -> bool:
     Raises:
         ValueError: any other value than "0" or "1".
     """
-    value = getenv(HOST_CACHE_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{HOST_CACHE_ENV}={value!r}: expected '0' or '1'")
-    return value != "0"
+    return _zero_or_one(HOST_CACHE_ENV, True)
 
 
 def host_splits_enabled() -> bool:
@@ -182,10 +179,15 @@ def host_splits_enabled() -> bool:
     Raises:
         ValueError: any other value than "0" or "1".
     """
-    value = getenv(HOST_SPLITS_ENV, "")
+    return _zero_or_one(HOST_SPLITS_ENV, True)
+
+
+def _zero_or_one(name: str, default: bool) -> bool:
+    """A "0" / "1" variable: `default` when unset or empty; ValueError naming it otherwise."""
+    value = getenv(name, "")
     if value not in ("", "0", "1"):
-        raise ValueError(f"{HOST_SPLITS_ENV}={value!r}: expected '0' or '1'")
-    return value != "0"
+        raise ValueError(f"{name}={value!r}: expected '0' or '1'")
+    return default if value == "" else value == "1"
 
 
 TMA_STORE_DEFAULT = False
@@ -199,10 +201,7 @@ def tma_store_enabled() -> bool:
     Raises:
         ValueError: any other value than "0" or "1".
     """
-    value = getenv(TMA_STORE_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{TMA_STORE_ENV}={value!r}: expected '0' or '1'")
-    return TMA_STORE_DEFAULT if value == "" else value == "1"
+    return _zero_or_one(TMA_STORE_ENV, TMA_STORE_DEFAULT)
 
 
 @dataclass(frozen=True)
