@@ -42,7 +42,11 @@ if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_overlap.bench.cli import check_launch_inputs, positive_int  # noqa: E402
+from megatron_overlap.bench.cli import (  # noqa: E402
+    check_launch_inputs,
+    non_negative_int,
+    positive_int,
+)
 
 CASES = (("qwen3 ep2", 2, 64, 32768), ("qwen3 tp2", 2, 128, 32768),
          ("qwen1.5 ep2", 2, 30, 16384), ("qwen3 ep1", 1, 128, 32768))
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
                         help="cold + warm host measurements per variant (medians)")
     parser.add_argument("--thrash-mib", type=positive_int, default=64,
                         help="MiB written before each cold measurement")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the counts")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the counts")
     parser.add_argument("--out", default="", help="JSONL file to append one row per workload to")
     args = parser.parse_args(argv)
     try:

@@ -22,6 +22,7 @@ def test_needs_cuda(capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--rounds", "0"], "expected an integer >= 1"),
+    (["--seed", "-1"], "expected an integer >= 0"),
     (["--out", "/"], "is a directory"),
 ])
 def test_bad_arguments(argv, match, capsys):
