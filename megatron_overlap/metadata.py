@@ -138,8 +138,7 @@ class MegatronSplits(NamedTuple):
 
 
 def megatron_splits(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: int,
-                    ep_rank: int, num_experts: int,
-                    rows_per_expert_per_chunk: Optional[np.ndarray] = None) -> MegatronSplits:
+                    ep_rank: int, num_experts: int) -> MegatronSplits:
     """Megatron's dispatch splits from every rank's tokens per expert, on the host.
 
     Megatron's `MoEAlltoAllTokenDispatcher.preprocess` (megatron-core 0.19) gathers the
@@ -153,18 +152,15 @@ def megatron_splits(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: 
         counts: [R, >= E] int64 host array, group order (columns past E are ignored).
         tp_size, tp_rank, ep_size, ep_rank: this rank's place in the tp_ep group.
         num_experts: E (a multiple of ep_size).
-        rows_per_expert_per_chunk: [L, R] this rank's `GatherRSMetadata` field, when the
-            caller has it (it is `per_local_expert` transposed); computed otherwise.
 
     Returns:
-        `MegatronSplits`.
+        `MegatronSplits` (`per_local_expert` transposed is `triton_metadata`'s
+        `rows_per_expert_per_chunk`: the same `take`).
     """
     num_local = num_experts // ep_size
     group_size = tp_size * ep_size
-    if rows_per_expert_per_chunk is None:
-        rows_per_expert_per_chunk = counts.take(_chunk_take_index(
-            tp_size, ep_size, ep_rank, num_local, counts.shape[1])).reshape(num_local,
-                                                                            group_size)
+    rows_per_expert_per_chunk = counts.take(_chunk_take_index(
+        tp_size, ep_size, ep_rank, num_local, counts.shape[1])).reshape(num_local, group_size)
     per_chunk = rows_per_expert_per_chunk.sum(axis=0).reshape(tp_size, ep_size)
     me = ep_rank * tp_size + tp_rank
     return MegatronSplits(

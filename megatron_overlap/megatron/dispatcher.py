@@ -117,9 +117,9 @@ def sort_by_local_expert(tokens: torch.Tensor, probs: torch.Tensor,
     sort_input_by_local_experts, probs=probs)` (megatron-core 0.19: a split into R * L
     chunks and a cat of them, for each tensor), bit for bit, with the gather index built on
     the host (C++ `local_expert_sort_index` where built) in pinned memory, one copy to the
-    device and one `index_select` per tensor (measured on one H200, Qwen3-30B-A3B's 128
-    experts at EP2, 32768 rows: host 237 -> 108 us warm, GPU 327 -> 160 us;
-    docs/perf_notes.md v5.7).
+    device and one `index_select` per tensor (measured on one H200 with launch/bench_sort.py,
+    Qwen3-30B-A3B's 128 experts at EP2, 32768 rows: host 225 -> 65 us warm, 426 -> 314 us
+    cold, GPU 316 -> 115 us; docs/perf_notes.md v5.7).
 
     Args:
         tokens: [N, H] rows in arriving order (source chunk, then local expert).
@@ -292,42 +292,50 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         sync point the counts' copy is waited for, Megatron's splits (`input_splits`,
         `output_splits`, `output_splits_tp`, `num_global_tokens_per_local_expert`, a
         capacity's `num_out_tokens`) are set from it on the host, as the types Megatron
-        copies them to (numpy arrays, CPU tensors), and the [L] int64 CPU tensor of tokens per
-        local expert is returned; on the Triton path `metadata` is built there too."""
+        copies them to (numpy arrays, contiguous CPU tensors of their own), and the [L] int64
+        CPU tensor of tokens per local expert is returned. (The metadata is built later, in
+        `dispatch_postprocess`: at R > 1 this point is just before the EP all-to-all is
+        queued, for which the GPU waits.)"""
         if not self._host_splits:
             return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
         if point != self._host_sync_point:
             return tokens_per_expert
         self._counts_to_host()
         counts, num_experts = self._counts, self.num_experts
-        rows = None
-        if self._triton:
-            with span("mo.build_metadata"):
-                self.metadata = self._build_metadata(None)
-            rows = self.metadata.rows_per_expert_per_chunk
         if self.tp_size * self.ep_size == 1:  # no splits; the counts are the local experts'
             tokens, per_local = counts[0, :num_experts], counts[:, :num_experts]
         else:
             splits = megatron_splits(counts, tp_size=self.tp_size, tp_rank=self.tp_rank,
                                      ep_size=self.ep_size, ep_rank=self.ep_rank,
-                                     num_experts=num_experts, rows_per_expert_per_chunk=rows)
+                                     num_experts=num_experts)
             self.input_splits = splits.input_splits
             self.output_splits = splits.output_splits
             self.output_splits_tp = splits.output_splits_tp
             tokens, per_local = splits.tokens_per_local_expert, splits.per_local_expert
         self._per_local_expert = per_local  # [R, L] chunk order (the sort's sizes)
-        if self.num_local_experts > 1:
-            self.num_global_tokens_per_local_expert = torch.from_numpy(per_local)
+        if self.num_local_experts > 1:  # (copies: no view of the metadata's counts)
+            self.num_global_tokens_per_local_expert = torch.from_numpy(per_local.copy())
         if self.num_out_tokens is None:  # a capacity: the routed rows that were kept
             me = self.ep_rank * self.tp_size + self.tp_rank
             self.num_out_tokens = int(counts[me, :num_experts].sum())
         self._splits_done = True
-        return torch.from_numpy(tokens)
+        return torch.from_numpy(tokens.copy())
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """Megatron's `dispatch_preprocess` with this class's `preprocess` (see there); on
         the path without host splits, then every rank's routing counts (Megatron's own on
-        the Triton path) and this rank's slots where the reference path will read them."""
+        the Triton path) and this rank's slots where the reference path will read them.
+
+        Raises:
+            RuntimeError: the dispatcher's `drop_and_pad` is on (the fused path is dropless
+                or drops without padding; `validate_gatherrs_config` refuses the config
+                option, this the attribute set after construction).
+        """
+        if self.drop_and_pad:  # e.g. switched on after construction for decoding
+            raise RuntimeError(
+                "moe_gatherrs_overlap=True does not support drop-and-pad dispatch "
+                "(moe_pad_expert_input_to_capacity, or the dispatcher's drop_and_pad set at "
+                "run time, e.g. by megatron.core.inference's set_decode_expert_padding)")
         triton = self._triton = self._triton_will_run(hidden_states)
         self._host_splits = (host_splits_enabled()
                              and self.cuda_dtoh_point == "before_permutation_1")
@@ -379,8 +387,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """Megatron's TP all-gather + sort by local expert (applied to the slots too, where
         the reference path needs them); on the host-splits path the sort is
         `sort_by_local_expert` (one gather per tensor), and at world 1, where it is the
-        identity, it does not run. Then builds `metadata` (on the host-splits Triton path it
-        was built at the sync point).
+        identity, it does not run. Then builds `metadata`.
 
         Raises:
             RuntimeError: on the host-splits path, Megatron's code never reached the sync
@@ -388,6 +395,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 at other points than 0.19's).
         """
         if self._host_splits:
+            if self.tp_size * self.ep_size > 1:
+                self._check_splits_done()  # (before a collective sized by them)
             tokens, probs = global_input_tokens, global_probs
             if self.tp_size > 1:  # Megatron's TP all-gather, as Megatron calls it
                 sizes = self.output_splits_tp.tolist()
@@ -410,22 +419,24 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 global_input_tokens, global_probs
             )
         if self._host_splits:
-            if not self._splits_done:
-                raise RuntimeError(
-                    f"the host-splits dispatch never reached Megatron's sync point "
-                    f"{self._host_sync_point!r} (this megatron-core's dispatcher does not call "
-                    "_maybe_dtoh_and_synchronize there); set MEGATRON_OVERLAP_HOST_SPLITS=0")
+            self._check_splits_done()
             self._splits_done = False
         else:
             self._counts_to_host()  # [R, E] (Triton path) or [R, E + EP] (slot columns)
         row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
         if row_slot is not None:
             row_slot = self._gather_and_sort_slots(row_slot)
-        if not (self._host_splits and self._triton):
-            with span("mo.build_metadata"):
-                self.metadata = self._build_metadata(row_slot)
+        with span("mo.build_metadata"):
+            self.metadata = self._build_metadata(row_slot)
         self._row_slot = None
         return tokens, tokens_per_expert, probs
+
+    def _check_splits_done(self) -> None:
+        if not self._splits_done:
+            raise RuntimeError(
+                f"the host-splits dispatch never reached Megatron's sync point "
+                f"{self._host_sync_point!r} (this megatron-core's dispatcher does not call "
+                "_maybe_dtoh_and_synchronize there); set MEGATRON_OVERLAP_HOST_SPLITS=0")
 
     def _build_metadata(self, row_slot):
         if row_slot is None:  # Triton path: counts and routing map from this forward

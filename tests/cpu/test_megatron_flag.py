@@ -403,6 +403,8 @@ def _splits_worker(rank: int, world_size: int, cases: list) -> list:
             scores = torch.rand(num_tokens, num_experts, generator=gen)
             rmap = torch.zeros_like(scores, dtype=torch.bool)
             rmap.scatter_(1, scores.topk(case.topk, dim=1).indices, True)
+            if capacity is not None:  # what a capacity does to the routing map: rows dropped
+                rmap &= torch.rand(rmap.shape, generator=gen) > 0.3
             hidden = torch.randn(num_tokens, 32, generator=gen)
             runs = {}
             for name, flag, triton, host_splits in (
@@ -502,6 +504,36 @@ def _one_rank_counts_worker(rank: int, world_size: int, _unused) -> list:
             out.append((tuple(counts.shape), counts.dtype == torch.int64,
                         counts[0, :case.num_experts].tolist() == rmap.sum(0).tolist()))
     return out
+
+
+def _drop_and_pad_worker(rank: int, world_size: int, _unused) -> str:
+    """The message of a flag-on dispatch whose `drop_and_pad` was switched on after
+    construction (as megatron.core.inference's `set_decode_expert_padding` does)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_overlap.megatron import use_gatherrs_in_moe_spec
+    from tests.support.megatron_cpu import apply_cpu_patches, parallel_state
+
+    apply_cpu_patches()
+    case = LayerCase(1, 1, num_experts=4, topk=2)
+    with parallel_state(1, 1, seed=1234):
+        spec = use_gatherrs_in_moe_spec(get_moe_module_spec(use_te=False, num_experts=4))
+        dispatcher = spec(config=_config(case, True)).token_dispatcher
+        dispatcher.drop_and_pad = True
+        rmap = torch.zeros(6, 4, dtype=torch.bool)
+        rmap[:, :2] = True
+        try:
+            dispatcher.dispatch_preprocess(torch.randn(6, 32), rmap, rmap.float())
+        except RuntimeError as err:
+            return str(err)
+    return "no error"
+
+
+def test_drop_and_pad_at_run_time_is_refused():
+    """A drop-and-pad dispatch (refused in the config; here switched on afterwards) is a
+    RuntimeError naming it, not a dropless dispatch with the wrong splits."""
+    [message] = run_distributed(_drop_and_pad_worker, 1, None, timeout_s=120)
+    assert "does not support drop-and-pad" in message, message
 
 
 def test_one_rank_counts_have_slot_columns_only_on_the_reference_path():

@@ -85,8 +85,9 @@ def test_bench_host_gpu_times_a_combine_call(tmp_path):
 def test_sort_by_local_expert_on_gpu():
     """The dispatcher's sort by local expert on CUDA (index built in pinned memory, copied,
     one `index_select` per tensor) is Megatron's unfused `sort_chunks_by_idxs` bit for bit,
-    also when the pinned index blocks are reused by later calls while earlier gathers may
-    still be queued (20 calls back to back, each checked afterwards)."""
+    also for 20 calls queued back to back behind a ~0.5 s GPU sleep, so that every index
+    copy is still pending when the next call fills its pinned index (a version that reused
+    one pinned buffer failed this way with an out-of-bounds index; review of v5.7)."""
     import numpy as np
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
@@ -94,6 +95,10 @@ def test_sort_by_local_expert_on_gpu():
 
     rng = np.random.default_rng(0)
     got, want = [], []
+    tiny = torch.zeros(4, 8, device="cuda")
+    sort_by_local_expert(tiny, tiny[:, 0], np.array([[1, 1], [2, 0]]))  # kernels warm
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))  # the calls below queue behind this
     for call in range(20):
         num_local, num_chunks = (64, 2) if call % 2 else (30, 4)
         rows = rng.integers(0, 200, size=(num_local, num_chunks))
