@@ -6,7 +6,7 @@ which every rank knows the tokens per local expert per source rank and the row l
 every receive buffer (also with one local expert, where Megatron does not keep them).
 `preprocess` gathers these counts over the tp_ep group once and copies them to the host
 once; Megatron's split sizes are derived from that copy on the host (`megatron_splits`)
-instead of by Megatron's device operations and its five device-to-host copies
+instead of by Megatron's device operations and its up to five device-to-host copies
 (`MEGATRON_OVERLAP_HOST_SPLITS=0`: Megatron's `preprocess` as it is, then the counts it
 gathered copied to the host by us). When the reference path will run, each routed row's
 *slot* (`metadata.source_slots`, 4 bytes a row) also travels with the tokens, so the
