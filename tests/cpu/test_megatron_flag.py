@@ -412,7 +412,8 @@ def _splits_worker(rank: int, world_size: int, cases: list) -> list:
                     ("host-reference", True, False, "1"), ("megatron", True, True, "0"),
                     ("megatron-reference", True, False, "0")):
                 os.environ["MEGATRON_OVERLAP_HOST_SPLITS"] = host_splits or ""
-                d = (ours_spec if flag else stock_spec)(config=_config(case, flag)).token_dispatcher
+                spec = ours_spec if flag else stock_spec
+                d = spec(config=_config(case, flag)).token_dispatcher
                 if triton is not None:
                     d._triton_will_run = lambda h, triton=triton: triton
                 x, probs = d.dispatch_preprocess(hidden, rmap, scores * rmap)
@@ -431,18 +432,19 @@ def _splits_worker(rank: int, world_size: int, cases: list) -> list:
             os.environ.pop("MEGATRON_OVERLAP_HOST_SPLITS")
             stock = runs.pop("stock")
             res = {}
+            stock_per_local = stock["values"]["num_global_tokens_per_local_expert"]
             for name, run in runs.items():
                 res[name] = {
                     "host_splits": run["host_splits"],
                     "same_values": run["values"] == stock["values"],
                     "values": (run["values"], stock["values"]),
-                    "same_tokens_per_expert": run["tokens_per_expert"] == stock["tokens_per_expert"],
+                    "same_tokens_per_expert": (run["tokens_per_expert"]
+                                               == stock["tokens_per_expert"]),
                     "same_num_out_tokens": run["num_out_tokens"] == stock["num_out_tokens"],
-                    "same_rows": torch.equal(run["rows"], stock["rows"])
-                                 and torch.equal(run["probs"], stock["probs"]),
-                    "metadata_is_transpose": (stock["values"]["num_global_tokens_per_local_expert"]
-                                              is None or run["metadata_counts"] == [
-                        list(c) for c in zip(*stock["values"]["num_global_tokens_per_local_expert"])]),
+                    "same_rows": (torch.equal(run["rows"], stock["rows"])
+                                  and torch.equal(run["probs"], stock["probs"])),
+                    "metadata_is_transpose": (stock_per_local is None or run["metadata_counts"]
+                                              == [list(c) for c in zip(*stock_per_local)]),
                 }
             out.append(res)
     return out
