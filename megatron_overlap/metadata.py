@@ -116,7 +116,7 @@ def triton_metadata(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: 
 class MegatronSplits(NamedTuple):
     """The dispatch's split sizes as Megatron's `MoEAlltoAllTokenDispatcher.preprocess`
     computes them on the device and then copies to the host (`megatron_splits`); int64
-    numpy arrays, which may be read-only views of one another: copy before changing one.
+    numpy arrays, some of them views of one another: copy before changing one.
 
     Fields (group sizes R = TP * EP, L local experts):
         input_splits: [EP] rows this rank sends to each EP rank (Megatron's `input_splits`).
@@ -156,9 +156,17 @@ def megatron_splits(counts: np.ndarray, *, tp_size: int, tp_rank: int, ep_size: 
     Returns:
         `MegatronSplits` (`per_local_expert` transposed is `triton_metadata`'s
         `rows_per_expert_per_chunk`: the same `take`).
+
+    Raises:
+        ValueError: `counts` is not [R, >= E], or ep_size does not divide E.
     """
     num_local = num_experts // ep_size
     group_size = tp_size * ep_size
+    if (counts.ndim != 2 or counts.shape[0] != group_size or counts.shape[1] < num_experts
+            or num_experts < 1 or num_experts % ep_size):
+        raise ValueError(f"counts of shape {counts.shape} with tp_size={tp_size}, "
+                         f"ep_size={ep_size}, num_experts={num_experts}: expected [R = "
+                         f"{group_size}, >= E] and E a positive multiple of ep_size")
     rows_per_expert_per_chunk = counts.take(_chunk_take_index(
         tp_size, ep_size, ep_rank, num_local, counts.shape[1])).reshape(num_local, group_size)
     per_chunk = rows_per_expert_per_chunk.sum(axis=0).reshape(tp_size, ep_size)

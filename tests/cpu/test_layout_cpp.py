@@ -234,3 +234,19 @@ def test_local_expert_sort_index_bad_input():
         cpp.local_expert_sort_index(rows, np.empty(6, np.int64))
     with pytest.raises(ValueError, match=r"total must be < 2\^31"):
         cpp.local_expert_sort_index(np.full((2, 1), 2**30 + 1), np.empty(1, np.int32))
+
+
+def test_megatron_splits_bad_input():
+    """`megatron_splits` refuses counts of the wrong shape and an E that EP does not divide
+    (and takes counts with extra columns, e.g. the reference path's slot columns)."""
+    from megatron_overlap.metadata import megatron_splits
+
+    counts = np.ones((2, 4), dtype=np.int64)
+    with pytest.raises(ValueError, match=r"expected \[R = 4, >= E\]"):
+        megatron_splits(counts, tp_size=1, tp_rank=0, ep_size=4, ep_rank=0, num_experts=4)
+    with pytest.raises(ValueError, match=r"expected \[R = 2, >= E\]"):
+        megatron_splits(counts, tp_size=1, tp_rank=0, ep_size=2, ep_rank=0, num_experts=6)
+    with pytest.raises(ValueError, match="positive multiple of ep_size"):
+        megatron_splits(counts, tp_size=1, tp_rank=0, ep_size=2, ep_rank=0, num_experts=3)
+    splits = megatron_splits(counts, tp_size=1, tp_rank=0, ep_size=2, ep_rank=1, num_experts=2)
+    assert splits.input_splits.tolist() == [1, 1] and splits.output_splits.tolist() == [1, 1]
