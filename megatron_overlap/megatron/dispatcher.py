@@ -237,19 +237,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def _preprocess_host_splits(self, routing_map):
         num_ranks = self.tp_size * self.ep_size
         self._splits_done = False
-        if self._triton:
-            self._row_slot = self._dest_token_mask = None
-            counts = routing_map.sum(dim=0)  # [E] int64 (a sum of bools)
-        else:  # reference path: [E + EP], the slot columns after the experts
-            self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
-                routing_map, self.ep_size)
-            counts = torch.cat([routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
-        if num_ranks > 1:
-            with span("mo.counts_all_gather"):
-                gathered = counts.new_empty(num_ranks * counts.numel())
-                all_gather_flat(gathered, counts, group=self.tp_ep_group)
-                counts = gathered
-        self._queue_counts(counts.view(num_ranks, -1))
+        self._count_and_queue(routing_map)
         dropping = self.config.moe_expert_capacity_factor is not None
         # Megatron's rule (`preprocess`): the first point whose code reads a split on the host
         # (a capacity's num_out_tokens before the permute; the EP all-to-all's splits; the
@@ -260,6 +248,29 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.num_out_tokens = (None if dropping
                                else routing_map.size(0) * self.config.moe_router_topk)
         return None
+
+    def _count_and_queue(self, routing_map: torch.Tensor,
+                         gathered: Optional[torch.Tensor] = None) -> None:
+        """This rank's slots where the reference path reads them (`_row_slot`,
+        `_dest_token_mask`; None on the Triton path) and every rank's tokens per expert,
+        [R, E] (Triton path) or [R, E + EP] (reference path: the slot columns after the
+        experts), gathered over the tp_ep group and queued for the host (`_queue_counts`).
+        `gathered`: Megatron's own gathered [R * E] counts to use instead (Triton path only,
+        where no slot columns are needed)."""
+        num_ranks = self.tp_size * self.ep_size
+        if self._triton:
+            self._row_slot = self._dest_token_mask = None
+            counts = routing_map.sum(dim=0) if gathered is None else gathered  # int64
+        else:
+            self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
+                routing_map, self.ep_size)
+            counts = torch.cat([routing_map.sum(dim=0), slots_per_ep]).to(torch.int64)
+        if num_ranks > 1 and gathered is None:
+            with span("mo.counts_all_gather"):
+                out = counts.new_empty(num_ranks * counts.numel())
+                all_gather_flat(out, counts, group=self.tp_ep_group)
+                counts = out
+        self._queue_counts(counts.view(num_ranks, -1))
 
     def _queue_counts(self, counts: torch.Tensor) -> None:
         """Start the copy of the [R, C] counts to the host (`_counts_to_host` finishes it)."""
@@ -303,7 +314,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._counts_to_host()
         counts, num_experts = self._counts, self.num_experts
         if self.tp_size * self.ep_size == 1:  # no splits; the counts are the local experts'
-            tokens, per_local = counts[0, :num_experts], counts[:, :num_experts]
+            # (copies: the metadata keeps `counts`)
+            tokens, per_local = counts[0, :num_experts].copy(), counts[:, :num_experts].copy()
         else:
             splits = megatron_splits(counts, tp_size=self.tp_size, tp_rank=self.tp_rank,
                                      ep_size=self.ep_size, ep_rank=self.ep_rank,
@@ -313,13 +325,14 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self.output_splits_tp = splits.output_splits_tp
             tokens, per_local = splits.tokens_per_local_expert, splits.per_local_expert
         self._per_local_expert = per_local  # [R, L] chunk order (the sort's sizes)
-        if self.num_local_experts > 1:  # (copies: no view of the metadata's counts)
-            self.num_global_tokens_per_local_expert = torch.from_numpy(per_local.copy())
+        if self.num_local_experts > 1:  # contiguous, as Megatron's
+            self.num_global_tokens_per_local_expert = torch.from_numpy(
+                np.ascontiguousarray(per_local))
         if self.num_out_tokens is None:  # a capacity: the routed rows that were kept
             me = self.ep_rank * self.tp_size + self.tp_rank
             self.num_out_tokens = int(counts[me, :num_experts].sum())
         self._splits_done = True
-        return torch.from_numpy(tokens.copy())
+        return torch.from_numpy(tokens)
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """Megatron's `dispatch_preprocess` with this class's `preprocess` (see there); on
@@ -346,30 +359,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             out = super().dispatch_preprocess(hidden_states, routing_map, probs)
         finally:
             self._keep_counts = False
-        slots_per_ep = None
-        if triton:
-            self._row_slot = self._dest_token_mask = None
-        else:
-            self._row_slot, self._dest_token_mask, slots_per_ep = source_slots(
-                self.routing_map, self.ep_size
-            )
-        if self._megatron_counts is not None:
-            # Megatron's [R * E] counts (int64: `routing_map.sum(0).long()` gathered); the
-            # Triton path needs no slot columns.
-            counts = self._megatron_counts
-            self._megatron_counts = None
-        else:
-            with span("mo.counts_all_gather"):
-                if slots_per_ep is None:  # Triton path, one rank or no gather seen: [E]
-                    counts = self.routing_map.sum(dim=0)  # (int64: a sum of bools)
-                else:  # reference path: [E + EP], the slot columns after the experts
-                    counts = torch.cat([self.routing_map.sum(dim=0), slots_per_ep]).to(
-                        torch.int64)
-                if self.tp_size * self.ep_size > 1:
-                    gathered = counts.new_empty(self.tp_size * self.ep_size * counts.numel())
-                    all_gather_flat(gathered, counts, group=self.tp_ep_group)
-                    counts = gathered
-        self._queue_counts(counts.view(self.tp_size * self.ep_size, -1))
+        gathered, self._megatron_counts = self._megatron_counts, None
+        self._count_and_queue(self.routing_map, gathered)
         return out
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
@@ -414,14 +405,12 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish",
                                                                  tokens_per_expert)
             self.tokens_per_expert = None
+            self._check_splits_done()
+            self._splits_done = False
         else:
             tokens, tokens_per_expert, probs = super().dispatch_postprocess(
                 global_input_tokens, global_probs
             )
-        if self._host_splits:
-            self._check_splits_done()
-            self._splits_done = False
-        else:
             self._counts_to_host()  # [R, E] (Triton path) or [R, E + EP] (slot columns)
         row_slot = self._row_slot  # None on the Triton path: counts and routing map suffice
         if row_slot is not None:
