@@ -60,7 +60,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Union
 
@@ -112,6 +111,11 @@ from megatron_overlap.bench.measure import (
     reduce_max,
     sync,
     symm_workspace_bytes,
+)
+from megatron_overlap.bench.host_stages import (
+    breakdown_table,
+    host_breakdown,
+    moe_layer_targets,
 )
 from megatron_overlap.resource.solver import implementation_name
 
@@ -669,100 +673,6 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
     }
 
 
-HOST_STAGES = {
-    "": ("route", "preprocess", "dispatch", "routed_experts_compute", "combine", "postprocess"),
-    "token_dispatcher": ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
-                         "combine_preprocess", "token_combine", "combine_postprocess",
-                         "prepare_combine", "combine_send", "combine_finish"),
-    "experts": ("forward", "forward_fc1"),
-}
-"""Methods timed by `host_breakdown`: {attribute of the layer ("" = the layer): names}."""
-
-
-def host_breakdown(layers: dict, x: torch.Tensor, device: torch.device, iters: int) -> dict:
-    """Host microseconds per stage of one forward, per variant: {variant: {stage: us}}.
-
-    Runs `iters` forwards of each variant, each after the ranks line up (as the timing
-    does), with the `HOST_STAGES` methods of the layer instance wrapped in host timers
-    (instance attributes, removed afterwards) and `megatron_overlap.profiling.host_times`
-    on (the flag-on 'mo.*' spans). Stage names: "layer.<method>", "token_dispatcher.<m>",
-    "experts.<m>", "mo.<span>"; each value is the median over the forwards of the stage's
-    host time in a forward (a stage entered twice in a forward counts both; 0 in a forward
-    that did not enter it); "forward" is the median host time of the whole call.
-    "python.gc" is the mean time per forward Python's cyclic garbage collector ran inside
-    the forwards (its passes are rare and long, so a median would hide them; a pass lands in
-    whichever stage happens to allocate, which the medians leave out). No device sync inside
-    a forward, so a stage's time is its enqueue time plus any host sync it makes. Max over
-    ranks."""
-    import gc
-
-    from megatron_overlap.profiling import host_times, span
-
-    gc_time = [0.0]
-    gc_start = [None]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_start[0] = time.perf_counter()
-        elif gc_start[0] is not None:
-            gc_time[0] += time.perf_counter() - gc_start[0]
-            gc_start[0] = None
-
-    out = {}
-    gc.callbacks.append(on_gc)
-    try:
-        with torch.inference_mode():
-            for name, layer in layers.items():
-                patched = []
-                for attr, methods in HOST_STAGES.items():
-                    owner = getattr(layer, attr) if attr else layer
-                    if owner is None:
-                        continue
-                    for method in methods:
-                        fn = getattr(owner, method, None)
-                        if fn is None:
-                            continue
-
-                        def timed(*args, _fn=fn, _name=f"{attr or 'layer'}.{method}",
-                                  **kwargs):
-                            with span(_name):
-                                return _fn(*args, **kwargs)
-
-                        patched.append((owner, method, owner.__dict__.get(method)))
-                        setattr(owner, method, timed)
-                forward, per_forward, gc_total = [], [], 0.0
-                try:
-                    for _ in range(iters):
-                        sync(device)
-                        gc_time[0] = 0.0
-                        with host_times() as times:
-                            t0 = time.perf_counter()
-                            layer(x)
-                            forward.append(time.perf_counter() - t0)
-                        gc_total += gc_time[0]
-                        per_forward.append({k: sum(v) for k, v in times.items()})
-                    sync(device)
-                finally:
-                    for owner, method, own in reversed(patched):
-                        if own is None:
-                            delattr(owner, method)
-                        else:
-                            setattr(owner, method, own)
-                stages = {"forward": percentile(forward, 50) * 1e6,
-                          "python.gc": gc_total / iters * 1e6}
-                for key in sorted({k for f in per_forward for k in f}):
-                    stages[key] = percentile([f.get(key, 0.0) for f in per_forward], 50) * 1e6
-                out[name] = stages
-    finally:
-        gc.callbacks.remove(on_gc)
-    # max over ranks, stage by stage (every rank has the same stage names per variant)
-    for name in out:
-        keys = sorted(out[name])
-        for key, v in zip(keys, reduce_max([out[name][k] for k in keys], device)):
-            out[name][key] = v
-    return out
-
-
 def cprofile_workload(layers: dict, x: torch.Tensor, device: torch.device, title: str,
                       iters: int, row_limit: int = 30) -> str:
     """`iters` forwards of "on" and "off-grouped" (those present) under `cProfile`, each
@@ -800,20 +710,6 @@ def cprofile_workload(layers: dict, x: torch.Tensor, device: torch.device, title
                                  f"{nc / iters:7.1f}  {where}")
                 texts.append("\n".join(lines))
     return "\n".join(texts)
-
-
-def breakdown_table(breakdown: dict, title: str) -> str:
-    """`host_breakdown`'s result as text: one line per stage, one column per variant (us)."""
-    names = list(breakdown)
-    stages = ["forward"] + sorted({s for v in breakdown.values() for s in v} - {"forward"})
-    width = max(len(s) for s in stages)
-    lines = [f"== host us per forward {title} (max over ranks)",
-             " " * width + "".join(f"{n:>14}" for n in names)]
-    for stage in stages:
-        cells = "".join(f"{breakdown[n][stage]:14.1f}" if stage in breakdown[n]
-                        else f"{'-':>14}" for n in names)
-        lines.append(f"{stage:<{width}}{cells}")
-    return "\n".join(lines)
 
 
 def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title: str,
@@ -1054,7 +950,9 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 destroy_workspaces()
                 result = time_workload(layers, x, run, device)
                 if run.host_breakdown:
-                    result["host_breakdown_us"] = host_breakdown(layers, x, device, run.iters)
+                    result["host_breakdown_us"] = host_breakdown(
+                        {name: (lambda layer=layer: layer(x), moe_layer_targets(layer))
+                         for name, layer in layers.items()}, device, run.iters)
                     if rank0:
                         print(breakdown_table(result["host_breakdown_us"],
                                               f"{shape.name} {info['layout']} seq {seq}"),

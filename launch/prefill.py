@@ -299,6 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed forwards of each model per sequence length (default 10)",
     )
     parser.add_argument(
+        "--host-breakdown",
+        action="store_true",
+        help="after timing each sequence length, run --iters more forwards of every model "
+        "with host timers on the embedding, each decoder layer's norms, attention and MLP, "
+        "the MoE layers' stages (and the flag-on 'mo.*' stages), summed over the layers "
+        "(megatron_overlap.bench.host_stages), and print rank 0's host microseconds per "
+        "stage (also in the rows, host_breakdown_us): where a host-bound model forward's "
+        "time goes",
+    )
+    parser.add_argument(
         "--out",
         default=DEFAULT_OUT,
         help=f"JSONL file the rows are appended to (default {DEFAULT_OUT}; '' = do not write)",
@@ -345,6 +355,7 @@ class RunConfig:
     prereduce: Union[bool, str] = "auto"
     fc1_impl: str = "auto"
     bias_activation_fusion: bool = False
+    host_breakdown: bool = False
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -393,6 +404,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         prereduce=args.prereduce,
         fc1_impl=args.fc1_impl,
         bias_activation_fusion=args.bias_activation_fusion,
+        host_breakdown=args.host_breakdown,
         dtype=dtype,
         attention=args.attention,
         reference=args.reference,
@@ -1102,6 +1114,23 @@ def time_seq(
     }
 
 
+def breakdown_seq(models: dict, inputs: tuple, run: RunConfig, device: torch.device,
+                  title: str, print_table: bool) -> dict:
+    """`--host-breakdown` of one sequence length: `run.iters` more forwards of every model
+    with host timers on its stages (`megatron_overlap.bench.host_stages.host_breakdown`,
+    `model_targets`); returns {variant: {stage: host us per forward}} (max over ranks) and
+    prints the table where `print_table`. Collective."""
+    from megatron_overlap.bench.host_stages import breakdown_table, host_breakdown, model_targets
+
+    tokens, positions = inputs
+    result = host_breakdown(
+        {name: (lambda m=model: forward(m, tokens, positions), model_targets(model))
+         for name, model in models.items()}, device, run.iters)
+    if print_table:
+        print("\n" + breakdown_table(result, title), flush=True)
+    return result
+
+
 # --------------------------------------------------------------------------------------
 # Reporting (rank 0)
 # --------------------------------------------------------------------------------------
@@ -1191,6 +1220,7 @@ def make_rows(
                 "ms_mean": statistics.fmean(ms),
                 "ms_all": ms,
                 "host_ms_p50": percentile(timing["host_ms"][name], 50),
+                "host_breakdown_us": timing.get("host_breakdown_us", {}).get(name),
                 "tokens_per_s": tokens / (p50[name] / 1e3),
                 "speedup_off_over_on": p50["off"] / p50["on"],
                 "speedup_over_on": p50[name] / p50["on"],
@@ -1406,10 +1436,13 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
     )
     inputs = {seq: make_inputs(shape, run, ranks, seq, device) for seq in run.seq_lengths}
     with torch.inference_mode():
-        timings = {
-            seq: time_seq(models, fused_layers, run, inputs[seq], device, progress)
-            for seq in run.seq_lengths
-        }
+        timings = {}
+        for seq in run.seq_lengths:
+            timings[seq] = time_seq(models, fused_layers, run, inputs[seq], device, progress)
+            if run.host_breakdown:
+                timings[seq]["host_breakdown_us"] = breakdown_seq(
+                    models, inputs[seq], run, device, f"{shape.name} {layout_name(run)} seq {seq}",
+                    print_table=ranks.rank == 0)
     progress.close()
     details = variant_details(models, backend)
     reference_used = choose_reference(run, models, timings, device)

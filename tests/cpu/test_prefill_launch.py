@@ -96,7 +96,7 @@ def _check_row(row: dict, *, layout: str, dp: int, world_size: int) -> None:
     "nproc, layout_args, layout, dp",
     [
         (1, [], "tp1/ep1/dp1/sp0", 1),
-        (2, ["--tp", "1", "--ep", "2"], "tp1/ep2/dp2/sp0", 2),
+        (2, ["--tp", "1", "--ep", "2", "--host-breakdown"], "tp1/ep2/dp2/sp0", 2),
         (2, ["--tp", "2", "--ep", "1"], "tp2/ep1/dp1/sp1", 1),
     ],
     ids=["world1-python", "world2-tp1-ep2", "world2-tp2-ep1-sp"],
@@ -110,6 +110,32 @@ def test_prefill_launch(tmp_path, nproc, layout_args, layout, dp):
     assert sorted(row["variant"] for row in rows) == ["off", "on"], _explain(proc)
     for row in rows:
         _check_row(row, layout=layout, dp=dp, world_size=nproc)
+        if "--host-breakdown" in layout_args:
+            _check_breakdown(row, moe_layers=2)
+        else:
+            assert row["host_breakdown_us"] is None, row
+
+
+def _check_breakdown(row: dict, moe_layers: int) -> None:
+    """A row of `--host-breakdown`: the model's stages, each within the forward."""
+    stages = row["host_breakdown_us"]
+    assert isinstance(stages, dict), row
+    forward = stages["forward"]
+    for name in ("model.embedding", "model.output_layer", "decoder.self_attention",
+                 "decoder.moe_layer", "layer.route", "layer.routed_experts_compute",
+                 "token_dispatcher.dispatch_preprocess"):
+        assert 0 < stages[name] < forward, (name, stages)
+    # the MoE layers' stages inside their layers' forward, the layers inside the model's
+    assert stages["layer.routed_experts_compute"] < stages["decoder.moe_layer"], stages
+    assert (stages["decoder.moe_layer"] + stages["decoder.self_attention"]
+            + stages["model.embedding"] < forward), stages
+    assert "decoder.dense_mlp" not in stages, stages  # tiny: MoE layers only
+    flag_on = {"mo.plan", "token_dispatcher.prepare_combine", "experts.forward_fc1"}
+    if row["variant"] == "on":
+        assert flag_on <= set(stages), stages
+    else:
+        assert not any(k.startswith("mo.") or k in flag_on for k in stages), stages
+    assert row["num_layers"] - row["num_dense_layers"] == moe_layers, row
 
 
 def test_fc1_impl_reaches_every_fused_layer(tmp_path):
@@ -238,7 +264,7 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
     args = [a for a in COMMON if a not in ("--num-layers", "2")]
     out = tmp_path / "several.jsonl"
     cmd = [sys.executable, str(LAUNCHER), *args, "--model", "tiny", "tiny", "--num-moe-layers",
-           "1", "--baselines", "off", "off-grouped", "--out", str(out)]
+           "1", "--baselines", "off", "off-grouped", "--host-breakdown", "--out", str(out)]
     proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=launcher_env(),
                           capture_output=True,
                           text=True, timeout=TIMEOUT_S)
@@ -246,9 +272,11 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["off", "on", "off-grouped"] * 2, _explain(proc)
     assert proc.stdout.count("| tiny | 1 | tp1/ep1/dp1/sp0 | 32 |") == 2, _explain(proc)
+    assert proc.stdout.count("== host us per forward tiny tp1/ep1/dp1/sp0 seq 32") == 2
     for row in rows:
         assert row["num_layers"] == 1 and row["fused_moe_layers"] == 1
         assert row["agree"] is True, row["errors"]
+        _check_breakdown(row, moe_layers=1)
         assert row["label"] and row["experts_impl"]
         assert row["param_bytes"] > 0 and row["own_peak_bytes"] is None  # CPU: no memory
     grouped = [r for r in rows if r["variant"] == "off-grouped"]
