@@ -63,7 +63,12 @@ import time
 if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_overlap.bench.cli import positive_int  # noqa: E402
+from megatron_overlap.bench.cli import (  # noqa: E402
+    THRASH_MIB_HELP,
+    THRASH_MIB_MAX,
+    int_in,
+    positive_int,
+)
 
 
 class _Thrash:
@@ -319,10 +324,14 @@ def main(argv=None) -> int:
                              "world-1 call)")
     parser.add_argument("--rounds", type=positive_int, default=60,
                         help="cold + warm measurements per step (medians)")
-    parser.add_argument("--thrash-mib", type=positive_int, default=64,
-                        help="MiB written between rounds to evict the caches")
+    parser.add_argument("--thrash-mib", type=int_in(1, THRASH_MIB_MAX), default=64,
+                        help="MiB written between rounds to evict the caches "
+                             + THRASH_MIB_HELP)
     parser.add_argument("--seed", type=int, default=0, help="routing seed")
-    parser.add_argument("--out", default="", help="JSONL file to append one row per step to")
+    parser.add_argument("--out", default="",
+                        help="JSONL file to append one row per step to (a regular file, a FIFO "
+                             "or a character device such as /dev/null; checked, and a "
+                             "missing folder made, before any timing)")
     parser.add_argument("--profile-step", default="", metavar="STEP",
                         help="after the timing, run STEP (a step's name, as printed) 200 "
                              "times warm under cProfile and print its 30 costliest "
@@ -341,11 +350,13 @@ def main(argv=None) -> int:
     if not 0 <= args.threads <= cores:
         parser.error(f"--threads: {args.threads}: expected 0 (the process's count as it is) "
                      f"to {cores} (this machine's cores)")
-    from megatron_overlap.bench.cli import check_launch_inputs
+    from megatron_overlap.bench.cli import check_launch_inputs, check_thrash_memory, make_folder
 
     try:
-        if args.out:
-            check_launch_inputs(args.out)  # an unwritable --out fails now, not after the timing
+        # an unwritable --out fails now, not after the timing; its folder is made only once
+        # the run proceeds (below), so that a refused run leaves none behind
+        check_launch_inputs(args.out, create=False)
+        check_thrash_memory(args.thrash_mib)
         from megatron_overlap.config import check_environment
 
         check_environment()  # the fused path's variables, which the steps read
@@ -364,6 +375,10 @@ def main(argv=None) -> int:
     if args.profile_step and args.profile_step not in todo:
         parser.error(f"--profile-step {args.profile_step!r}: expected one of "
                      f"{', '.join(repr(n) for n in todo)}")
+    try:
+        make_folder(args.out)  # the run proceeds
+    except ValueError as err:
+        parser.error(str(err))
     import datetime
 
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

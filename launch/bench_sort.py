@@ -43,7 +43,12 @@ if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_overlap.bench.cli import (  # noqa: E402
+    THRASH_MIB_HELP,
+    THRASH_MIB_MAX,
     check_launch_inputs,
+    check_thrash_memory,
+    int_in,
+    make_folder,
     non_negative_int,
     positive_int,
 )
@@ -59,13 +64,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=positive_int, default=40,
                         help="cold + warm host measurements per variant (medians)")
-    parser.add_argument("--thrash-mib", type=positive_int, default=64,
-                        help="MiB written before each cold measurement")
+    parser.add_argument("--thrash-mib", type=int_in(1, THRASH_MIB_MAX), default=64,
+                        help="MiB written before each cold measurement " + THRASH_MIB_HELP)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the counts")
     parser.add_argument("--out", default="", help="JSONL file to append one row per workload to")
     args = parser.parse_args(argv)
     try:
-        check_launch_inputs(args.out)
+        # --out's folder is made only once the run proceeds: a refused run leaves none
+        check_launch_inputs(args.out, create=False)
+        check_thrash_memory(args.thrash_mib)
     except (ValueError, ImportError) as err:
         parser.error(str(err))
     import torch
@@ -74,6 +81,10 @@ def main(argv=None) -> int:
         print("bench_sort: needs a CUDA device (it times GPU launches and kernels)",
               file=sys.stderr)
         return 2
+    try:
+        make_folder(args.out)
+    except ValueError as err:
+        parser.error(str(err))
     return _measure(args)
 
 
@@ -141,9 +152,13 @@ def _measure(args) -> int:
                          gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          git_sha=git_sha(), timestamp=stamp))
     if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        try:
+            with open(args.out, "a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+        except OSError as err:
+            print(f"bench_sort: cannot write the rows to {args.out}: {err}", file=sys.stderr)
+            return 2
     return 0 if all(row["same"] for row in rows) else 1
 
 

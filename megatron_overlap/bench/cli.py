@@ -68,6 +68,57 @@ def float_in(low: float, high: float):
     return parse
 
 
+def int_in(low: int, high: int):
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer in "
+                                             f"[{low}, {high}]")
+        return value
+
+    return parse
+
+
+THRASH_MIB_MAX = 65536
+"""The largest `--thrash-mib` of the host benchmarks (`bench_host.py`, `bench_sort.py`), in
+MiB (64 GiB): ~60x the largest last-level caches of current server CPUs (~1 GiB per socket),
+so it never limits an eviction; a thrash beyond it would only cost seconds per measurement
+and the host's memory."""
+
+THRASH_MIB_HELP = (f"(1 to {THRASH_MIB_MAX}, 64 GiB, ~60x the largest CPU caches; and at most "
+                   "90 %% of the host memory available now, checked before any timing)")
+"""The bound of `--thrash-mib`, as its help says it (argparse help: "%%" is "%")."""
+
+
+def check_thrash_memory(mib: int, flag: str = "--thrash-mib",
+                        available: int | None = None) -> None:
+    """Refuse a cache thrash of `mib` MiB that the host cannot hold, before any timing:
+    otherwise numpy's buffer fails only when it is made (MemoryError) or, the memory
+    overcommitted, the out-of-memory killer ends the run when the thrash first writes it.
+
+    Args:
+        mib: the thrash buffer's size, MiB.
+        flag: the option named in the message.
+        available: bytes available (default `available_host_bytes()`; None: no check).
+
+    Raises:
+        ValueError: `mib` MiB are more than 90 % of the available memory (names both).
+    """
+    if available is None:
+        available = available_host_bytes()
+    if available is None:
+        return
+    if (mib << 20) > 0.9 * available:
+        raise ValueError(f"{flag} {mib}: expected at most 90 % of the host memory available "
+                         f"now ({available >> 20} MiB available, so at most "
+                         f"{int(0.9 * available) >> 20})")
+
+
 def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int, per: str,
                     iters_help: str = "") -> None:
     """--warmup, --iters and --seed, as every GPU launcher takes them (`per` says what one
@@ -198,17 +249,104 @@ def make_folder(out: str, flag: str = "--out") -> None:
                          f"({err.strerror})") from None
 
 
-def check_launch_inputs(out: str, flag: str = "--out") -> None:
-    """What every launcher checks before any work: each `MEGATRON_OVERLAP_*` variable
-    (`megatron_overlap.config.check_environment`), that the results file `out` does not
-    name a directory, that its folder exists or can be created (created here), and that
-    the file can be opened for appending (otherwise found only when the rows are written;
-    a file made for the check is removed).
+PSEUDO_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
+    "pstore", "bpf", "efivarfs", "fusectl", "binfmt_misc", "selinuxfs"})
+"""Kernel file systems whose files are interfaces, not storage: root may open one for
+appending, but a row written to it fails (`/proc/version`: "Invalid argument") or, worse,
+is taken as a setting (`/sys`, cgroup files)."""
+
+
+def pseudo_file_system(path: str) -> Optional[str]:
+    """The type of the kernel file system (`PSEUDO_FILE_SYSTEMS`) that the existing `path`
+    (symbolic links followed) lies on, e.g. "proc" for `/proc/version`, or None: another
+    file system, or unknown (found by its device in `/proc/self/mountinfo`; where that
+    cannot be read, a real path under /proc or /sys counts as "proc" or "sysfs")."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        real = os.path.realpath(path)
+        for root, kind in (("/proc", "proc"), ("/sys", "sysfs")):
+            if real == root or real.startswith(root + "/"):
+                return kind
+        return None
+    for line in mounts:
+        fields = line.split()
+        # "ID PARENT MAJOR:MINOR ROOT MOUNT OPTIONS [TAGS...] - TYPE SOURCE OPTIONS"
+        if len(fields) < 3 or fields[2] != want or "-" not in fields[3:]:
+            continue
+        sep = fields.index("-", 3)
+        if sep + 1 < len(fields) and fields[sep + 1] in PSEUDO_FILE_SYSTEMS:
+            return fields[sep + 1]
+    return None
+
+
+def _check_folder_can_be_made(out: str, flag: str) -> None:
+    """`check_launch_inputs(create=False)` where the folder of `out` is missing: what can be
+    told without making it (the deepest existing part of its path is a directory, on a file
+    system that stores files, writable and searchable; `out` would not name a directory).
 
     Raises:
-        ValueError: a bad variable, `out` is an existing directory, its folder cannot be
-            created (a path component is a file, no permission; the OS's reason named), or
-            the file cannot be written.
+        ValueError: one of these fails (names the part of the path and the reason).
+    """
+    folder = os.path.dirname(out)
+    existing = folder
+    while existing and not os.path.lexists(existing):
+        parent = os.path.dirname(existing)
+        existing = "" if parent == existing else parent
+    here = existing or os.curdir
+    if not os.path.isdir(here):
+        raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r}: "
+                         f"{existing!r} is not a directory")
+    kind = pseudo_file_system(here)
+    if kind is not None:
+        raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} ({here!r} is "
+                         f"on the kernel's {kind} file system)")
+    try:
+        read_only = bool(os.statvfs(here).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    if read_only or not os.access(here, os.W_OK | os.X_OK):
+        reason = "Read-only file system" if read_only else "Permission denied"
+        raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} ({reason}: "
+                         f"{here!r})")
+    # what `out` names once the missing folders exist: they are made as real directories,
+    # so ".." in the part of the path still missing is lexical
+    rest = os.path.normpath(out[len(existing):].lstrip(os.sep))
+    if os.path.isdir(os.path.join(existing, rest) if existing else rest):
+        raise ValueError(f"{flag} {out!r} is a directory: give a file path")
+
+
+def check_launch_inputs(out: str, flag: str = "--out", *, create: bool = True) -> None:
+    """What every launcher checks before any work: each `MEGATRON_OVERLAP_*` variable
+    (`megatron_overlap.config.check_environment`), that the results file `out` does not
+    name a directory, that its folder exists or can be created, and that the file can be
+    opened for appending (otherwise found only when the rows are written; a file made for
+    the check is removed). An existing `out` (symbolic links followed) must be a regular
+    file, a FIFO or a character device (e.g. /dev/null), and not a file of a kernel file
+    system such as /proc (`PSEUDO_FILE_SYSTEMS`: root can open `/proc/version` for
+    appending, but writing a row to it fails).
+
+    Args:
+        out: the results file ("": only the variables are checked).
+        flag: the option named in the messages.
+        create: True (the default): a missing folder of `out` is created here. False:
+            nothing is created (a run refused after this check leaves no new folder); a
+            missing folder is only checked to be creatable (the deepest existing part of
+            its path is a writable directory) and the launcher makes it with
+            `make_folder(out, flag)` once the run proceeds.
+
+    Raises:
+        ValueError: a bad variable, `out` is an existing directory or not a regular file
+            (a block device, a socket, a /proc file), its folder cannot be created (a path
+            component is a file, no permission; the OS's reason named), or the file cannot
+            be written.
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
     from megatron_overlap.config import check_environment
@@ -220,6 +358,9 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
         raise ValueError(f"{flag} {out!r} is a directory: give a file path")
     folder = os.path.dirname(out)
     if folder:
+        if not create and not os.path.isdir(folder):
+            _check_folder_can_be_made(out, flag)
+            return  # no file can exist in a missing folder: nothing more to open
         make_folder(out, flag)
         if os.path.isdir(out):  # e.g. "new/../results": a directory once "new" exists
             raise ValueError(f"{flag} {out!r} is a directory: give a file path")
@@ -231,6 +372,7 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
     # when the rows are written).
     if os.path.islink(out) and not os.path.exists(out):
         return
+    _check_existing_kind(out, flag)
     created = not os.path.lexists(out)
     mode = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)
     try:
@@ -252,6 +394,34 @@ def check_launch_inputs(out: str, flag: str = "--out") -> None:
             os.remove(out)
         except OSError:
             pass
+
+
+def _check_existing_kind(out: str, flag: str) -> None:
+    """An existing `out` (links followed) is a regular file of a file system that stores
+    files, a FIFO or a character device; a missing one passes.
+
+    Raises:
+        ValueError: anything else (a block device, a socket, a file of /proc or /sys).
+    """
+    import stat
+
+    try:
+        mode = os.stat(out).st_mode
+    except OSError:
+        return  # missing (or unreadable: the open below names the reason)
+    if stat.S_ISREG(mode):
+        kind = pseudo_file_system(out)
+        if kind is not None:
+            raise ValueError(f"{flag} {out!r} cannot be written: it is a file of the "
+                             f"kernel's {kind} file system, expected a regular file to "
+                             "append rows to")
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
+        return
+    what = "a block device" if stat.S_ISBLK(mode) else (
+        "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise ValueError(f"{flag} {out!r} cannot be written: it is {what}, expected a regular "
+                     "file to append rows to")
 
 
 def available_host_bytes() -> int | None:
