@@ -112,10 +112,11 @@ from megatron_overlap.bench.measure import (
     sync,
     symm_workspace_bytes,
 )
-from megatron_overlap.bench.host_stages import (
+from megatron_overlap.bench.breakdown import (
     breakdown_table,
     host_breakdown,
     moe_layer_targets,
+    profile_forwards,
 )
 from megatron_overlap.resource.solver import implementation_name
 
@@ -715,31 +716,12 @@ def cprofile_workload(layers: dict, x: torch.Tensor, device: torch.device, title
 def profile_workload(layers: dict, x: torch.Tensor, device: torch.device, title: str,
                      row_limit: int = 25, trace_prefix: str = "") -> str:
     """One profiled forward of the "on" and "off-grouped" variants (those present), after
-    the timing: rank 0's operator / kernel table per variant, sorted by device time on CUDA
-    (CPU time otherwise). Every rank runs the forwards (they hold collectives). With
-    `trace_prefix`, rank 0 also writes `<trace_prefix>_<variant>.json` (chrome trace)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sort_by = "cuda_time_total" if cuda else "cpu_time_total"
-    texts = []
-    with torch.inference_mode():
-        for name in ("on", "off-grouped"):
-            if name not in layers:
-                continue
-            if cuda:
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            with profile(activities=activities) as prof:
-                layers[name](x)
-                if cuda:
-                    torch.cuda.synchronize(device)
-            if trace_prefix and dist.get_rank() == 0:
-                prof.export_chrome_trace(f"{trace_prefix}_{name}.json")
-            texts.append(f"== profile {title} {name}\n"
-                         + prof.key_averages().table(sort_by=sort_by, row_limit=row_limit))
-    return "\n".join(texts)
+    the timing (`megatron_overlap.bench.breakdown.profile_forwards`): rank 0's operator /
+    kernel table per variant; with `trace_prefix`, rank 0 also writes
+    `<trace_prefix>_<variant>.json` (chrome trace)."""
+    return profile_forwards({name: (lambda layer=layers[name]: layer(x))
+                             for name in ("on", "off-grouped") if name in layers},
+                            device, title, row_limit, trace_prefix)
 
 
 def describe(layers: dict, backend: str, te_version: str | None,

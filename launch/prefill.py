@@ -70,6 +70,7 @@ from megatron_overlap.bench.cli import (  # noqa: E402
     HostMemoryError,
     check_host_memory,
     check_launch_inputs,
+    make_folder,
     non_negative_int,
     positive_int,
 )
@@ -304,9 +305,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="after timing each sequence length, run --iters more forwards of every model "
         "with host timers on the embedding, each decoder layer's norms, attention and MLP, "
         "the MoE layers' stages (and the flag-on 'mo.*' stages), summed over the layers "
-        "(megatron_overlap.bench.host_stages), and print rank 0's host microseconds per "
+        "(megatron_overlap.bench.breakdown), and print rank 0's host microseconds per "
         "stage (also in the rows, host_breakdown_us): where a host-bound model forward's "
         "time goes",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing each sequence length, profile one forward of 'on' and of "
+        "'off-grouped' (or 'off' without it) with torch.profiler (CPU + CUDA) and print rank "
+        "0's top operators and kernels",
+    )
+    parser.add_argument(
+        "--trace-dir",
+        default="",
+        help="with --profile: rank 0 also writes each profiled forward as a chrome trace "
+        "<DIR>/<model>_<layout>_<seq>_<variant>.json (launch/trace_summary.py reads them)",
     )
     parser.add_argument(
         "--out",
@@ -356,6 +370,8 @@ class RunConfig:
     fc1_impl: str = "auto"
     bias_activation_fusion: bool = False
     host_breakdown: bool = False
+    profile: bool = False
+    trace_dir: str = ""
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -389,6 +405,10 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     if sp and args.tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1 (got --tp 1)")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
+    if args.trace_dir and not args.profile:
+        raise ValueError("--trace-dir writes the traces of --profile: add --profile")
+    if args.trace_dir:
+        make_folder(os.path.join(args.trace_dir, "trace.json"), "--trace-dir")
     return RunConfig(
         models=tuple(args.model or [defaults["model"]]),
         num_layers=args.num_layers,
@@ -405,6 +425,8 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
         fc1_impl=args.fc1_impl,
         bias_activation_fusion=args.bias_activation_fusion,
         host_breakdown=args.host_breakdown,
+        profile=args.profile,
+        trace_dir=args.trace_dir,
         dtype=dtype,
         attention=args.attention,
         reference=args.reference,
@@ -1117,10 +1139,10 @@ def time_seq(
 def breakdown_seq(models: dict, inputs: tuple, run: RunConfig, device: torch.device,
                   title: str, print_table: bool) -> dict:
     """`--host-breakdown` of one sequence length: `run.iters` more forwards of every model
-    with host timers on its stages (`megatron_overlap.bench.host_stages.host_breakdown`,
+    with host timers on its stages (`megatron_overlap.bench.breakdown.host_breakdown`,
     `model_targets`); returns {variant: {stage: host us per forward}} (max over ranks) and
     prints the table where `print_table`. Collective."""
-    from megatron_overlap.bench.host_stages import breakdown_table, host_breakdown, model_targets
+    from megatron_overlap.bench.breakdown import breakdown_table, host_breakdown, model_targets
 
     tokens, positions = inputs
     result = host_breakdown(
@@ -1129,6 +1151,22 @@ def breakdown_seq(models: dict, inputs: tuple, run: RunConfig, device: torch.dev
     if print_table:
         print("\n" + breakdown_table(result, title), flush=True)
     return result
+
+
+def profile_seq(models: dict, inputs: tuple, run: RunConfig, device: torch.device,
+                title: str, stem: str) -> str:
+    """`--profile` of one sequence length: one profiled forward of "on" and of "off-grouped"
+    (or "off" where it did not run) (`megatron_overlap.bench.breakdown.profile_forwards`);
+    rank 0's tables. With `run.trace_dir`, rank 0 writes `<trace_dir>/<stem>_<variant>.json`.
+    Collective."""
+    from megatron_overlap.bench.breakdown import profile_forwards
+
+    tokens, positions = inputs
+    baseline = "off-grouped" if "off-grouped" in models else "off"
+    prefix = os.path.join(run.trace_dir, stem) if run.trace_dir else ""
+    return profile_forwards(
+        {name: (lambda m=models[name]: forward(m, tokens, positions)) for name in ("on", baseline)},
+        device, title, trace_prefix=prefix)
 
 
 # --------------------------------------------------------------------------------------
@@ -1439,10 +1477,15 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         timings = {}
         for seq in run.seq_lengths:
             timings[seq] = time_seq(models, fused_layers, run, inputs[seq], device, progress)
+            title = f"{shape.name} {layout_name(run)} seq {seq}"
             if run.host_breakdown:
                 timings[seq]["host_breakdown_us"] = breakdown_seq(
-                    models, inputs[seq], run, device, f"{shape.name} {layout_name(run)} seq {seq}",
-                    print_table=ranks.rank == 0)
+                    models, inputs[seq], run, device, title, print_table=ranks.rank == 0)
+            if run.profile:
+                text = profile_seq(models, inputs[seq], run, device, title,
+                                   f"{shape.name}_{layout_name(run).replace('/', '-')}_{seq}")
+                if ranks.rank == 0:
+                    print("\n" + text, flush=True)
     progress.close()
     details = variant_details(models, backend)
     reference_used = choose_reference(run, models, timings, device)

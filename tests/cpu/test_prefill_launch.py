@@ -97,7 +97,8 @@ def _check_row(row: dict, *, layout: str, dp: int, world_size: int) -> None:
     [
         (1, [], "tp1/ep1/dp1/sp0", 1),
         (2, ["--tp", "1", "--ep", "2", "--host-breakdown"], "tp1/ep2/dp2/sp0", 2),
-        (2, ["--tp", "2", "--ep", "1"], "tp2/ep1/dp1/sp1", 1),
+        (2, ["--tp", "2", "--ep", "1", "--profile", "--trace-dir", "traces"],
+         "tp2/ep1/dp1/sp1", 1),
     ],
     ids=["world1-python", "world2-tp1-ep2", "world2-tp2-ep1-sp"],
 )
@@ -114,6 +115,16 @@ def test_prefill_launch(tmp_path, nproc, layout_args, layout, dp):
             _check_breakdown(row, moe_layers=2)
         else:
             assert row["host_breakdown_us"] is None, row
+    title = f"tiny {layout} seq {SEQ}"
+    if "--profile" in layout_args:  # rank 0's tables and traces of "on" and "off"
+        for variant in ("on", "off"):
+            assert f"== profile {title} {variant}\n" in proc.stdout, _explain(proc)
+            trace = tmp_path / "traces" / f"tiny_{layout.replace('/', '-')}_{SEQ}_{variant}.json"
+            events = json.loads(trace.read_text())["traceEvents"]
+            names = {e.get("name") for e in events}
+            assert ("mo.fc1" in names) is (variant == "on"), sorted(names)[:50]
+    else:
+        assert "== profile" not in proc.stdout, _explain(proc)
 
 
 def _check_breakdown(row: dict, moe_layers: int) -> None:
@@ -173,6 +184,9 @@ def test_bad_environment_and_out_exit_2(tmp_path, monkeypatch):
     proc = _launch(tmp_path, 1)[0]
     assert proc.returncode == 2, _explain(proc)
     assert "is a directory: give a file path" in proc.stderr, _explain(proc)
+    (tmp_path / "prefill.jsonl").rmdir()
+    proc = _launch(tmp_path, 1, "--trace-dir", "t")[0]  # traces need --profile
+    assert proc.returncode == 2 and "add --profile" in proc.stderr, _explain(proc)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Host time per stage of a forward: where a host-bound MoE layer or model forward spends it.
+"""Where a forward's time goes: host time per stage, and one profiled forward per variant.
 
 The launchers' `--host-breakdown` (`launch/bench_layer.py`: one `MoELayer`;
 `launch/prefill.py`: a whole `GPTModel`) wrap chosen methods of the module instances in host
@@ -22,6 +22,10 @@ Python's cyclic garbage collector ran inside the forwards (its passes are rare a
 a median would hide them). No device sync inside a forward: a stage's time is its enqueue
 time plus any host sync it makes (Megatron's dispatcher waits for its split sizes once per
 forward), so a stage that syncs also carries the device work queued before it.
+
+`profile_forwards` is the launchers' `--profile`: one forward per variant under
+`torch.profiler` (CPU + CUDA), its operator / kernel table and, optionally, its chrome trace
+(`launch/trace_summary.py` reads those: device busy time, idle gaps, top kernels).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from __future__ import annotations
 import gc
 import time
 from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch.distributed as dist
 
 import torch
 
@@ -213,3 +219,33 @@ def breakdown_table(breakdown: Dict[str, Dict[str, float]], title: str) -> str:
                         else f"{'-':>14}" for n in names)
         lines.append(f"{stage:<{width}}{cells}")
     return "\n".join(lines)
+
+
+def profile_forwards(variants: Dict[str, Callable[[], object]], device: torch.device,
+                     title: str, row_limit: int = 25, trace_prefix: str = "") -> str:
+    """One profiled forward of each variant (`torch.profiler`, CPU and, on CUDA, CUDA
+    activity), after the device is idle and the ranks line up; returns rank 0's operator /
+    kernel tables, sorted by device time on CUDA (CPU time otherwise), one per variant
+    headed "== profile <title> <variant>". With `trace_prefix`, rank 0 also writes
+    `<trace_prefix>_<variant>.json` (chrome trace). Collective: every rank runs the
+    forwards (they hold collectives); the process group must be initialised."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort_by = "cuda_time_total" if cuda else "cpu_time_total"
+    texts = []
+    with torch.inference_mode():
+        for name, forward in variants.items():
+            if cuda:
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            with profile(activities=activities) as prof:
+                forward()
+                if cuda:
+                    torch.cuda.synchronize(device)
+            if trace_prefix and dist.get_rank() == 0:
+                prof.export_chrome_trace(f"{trace_prefix}_{name}.json")
+            texts.append(f"== profile {title} {name}\n"
+                         + prof.key_averages().table(sort_by=sort_by, row_limit=row_limit))
+    return "\n".join(texts)
