@@ -87,6 +87,7 @@ from megatron_overlap.bench.cli import (
     alt_environment,
     check_host_memory,
     check_launch_inputs,
+    make_folder,
     parse_layout,
 )
 from megatron_overlap.config import (
@@ -992,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
         from megatron_overlap.models import approx_param_count, load_model_shape
 
-        check_launch_inputs(args.out)
+        check_launch_inputs(args.out, create=False)  # the folder: made below
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
         shapes = [load_model_shape(name) for name in run.models]
         for shape in shapes:
@@ -1007,6 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
                     approx_param_count(shape, moe_layer_only=True) * (4 if run.dtype == "fp32"
                                                                       else 2),
                     len(built) + 1, f"{shape.name} MoE layer")
+        make_folder(args.out)  # the run proceeds: --out's folder now
         device = init_process_group(run.device)
     except (ValueError, ImportError, HostMemoryError) as err:
         return _usage_error(parser, str(err))

@@ -407,8 +407,6 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     if args.trace_dir and not args.profile:
         raise ValueError("--trace-dir writes the traces of --profile: add --profile")
-    if args.trace_dir:
-        make_folder(os.path.join(args.trace_dir, "trace.json"), "--trace-dir")
     return RunConfig(
         models=tuple(args.model or [defaults["model"]]),
         num_layers=args.num_layers,
@@ -1581,7 +1579,7 @@ def main(argv: list[str] | None = None) -> int:
         arm_stack_dumps()  # $MO_STACK_DUMP_S: periodic stacks of a stuck run
         from megatron_overlap.models import approx_param_count, load_model_shape
 
-        check_launch_inputs(args.out)
+        check_launch_inputs(args.out, create=False)  # the folder: made below
         run = resolve_args(args, int(os.environ["WORLD_SIZE"]))
         shapes = [load_model_shape(name) for name in run.models]
         for shape in shapes:
@@ -1591,6 +1589,9 @@ def main(argv: list[str] | None = None) -> int:
                 check_host_memory(
                     approx_param_count(shape, layers) * (4 if run.dtype == "fp32" else 2),
                     len(run.baselines) + 1, f"{shape.name}, {layers} layers")
+        make_folder(args.out)  # the run proceeds: --out's (and --trace-dir's) folder now
+        if run.trace_dir:
+            make_folder(os.path.join(run.trace_dir, "trace.json"), "--trace-dir")
         device = init_process_group(run.device)
     except (ValueError, ImportError, HostMemoryError) as err:
         return _usage_error(parser, str(err))

@@ -169,6 +169,13 @@ def test_bad_layout_exits_2(tmp_path):
     assert proc.returncode == 2, _explain(proc)
     assert "--ep 3" in proc.stderr and "world size 1" in proc.stderr, _explain(proc)
     assert rows == []
+    # a refused run leaves no --out or --trace-dir folder behind
+    cmd = [sys.executable, str(LAUNCHER), *COMMON, "--tp", "1", "--ep", "3", "--profile",
+           "--trace-dir", "new_traces", "--out", "new/rows.jsonl"]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=launcher_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and "--ep 3" in proc.stderr, _explain(proc)
+    assert not (tmp_path / "new").exists() and not (tmp_path / "new_traces").exists()
 
 
 def test_bad_environment_and_out_exit_2(tmp_path, monkeypatch):
