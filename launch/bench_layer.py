@@ -207,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-breakdown", action="store_true",
                         help="after timing each workload, run --iters more forwards of every "
                              "variant with host timers on the layer's, dispatcher's and "
-                             "experts' stages (and the flag-on 'mo.*' stages) and print rank "
-                             "0's host microseconds per stage (also in the rows, "
-                             "host_breakdown_us): where a host-bound forward's time goes")
+                             "experts' stages (and the flag-on 'mo.*' stages) and print the "
+                             "host microseconds per stage, each the max over ranks (also in "
+                             "the rows, host_breakdown_us): where a host-bound forward's "
+                             "time goes")
     parser.add_argument("--cprofile", action="store_true",
                         help="after timing each workload, run --iters more forwards of 'on' "
                              "and 'off-grouped' under Python's cProfile and print rank 0's "

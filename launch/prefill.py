@@ -69,6 +69,7 @@ if str(REPO_ROOT) not in sys.path:
 from megatron_overlap.bench.cli import (  # noqa: E402
     HostMemoryError,
     check_host_memory,
+    check_folder,
     check_launch_inputs,
     make_folder,
     non_negative_int,
@@ -305,9 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="after timing each sequence length, run --iters more forwards of every model "
         "with host timers on the embedding, each decoder layer's norms, attention and MLP, "
         "the MoE layers' stages (and the flag-on 'mo.*' stages), summed over the layers "
-        "(megatron_overlap.bench.breakdown), and print rank 0's host microseconds per "
-        "stage (also in the rows, host_breakdown_us): where a host-bound model forward's "
-        "time goes",
+        "(megatron_overlap.bench.breakdown), and print the host microseconds per stage, "
+        "each the max over ranks (also in the rows, host_breakdown_us): where a host-bound "
+        "model forward's time goes",
     )
     parser.add_argument(
         "--profile",
@@ -320,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-dir",
         default="",
         help="with --profile: rank 0 also writes each profiled forward as a chrome trace "
-        "<DIR>/<model>_<layout>_<seq>_<variant>.json (launch/trace_summary.py reads them)",
+        "<DIR>/<model>_<layout>_<seq>_<variant>.json, the layout's '/' as '-', e.g. "
+        "mixtral-8x7b_tp1-ep2-dp2-sp0_4096_on.json (launch/trace_summary.py reads them; the "
+        "folder is checked before the run and made when it starts)",
     )
     parser.add_argument(
         "--out",
@@ -407,6 +410,11 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     if args.trace_dir and not args.profile:
         raise ValueError("--trace-dir writes the traces of --profile: add --profile")
+    if args.trace_dir:  # checked now, made only once the run proceeds (`main`)
+        check_folder(args.trace_dir, "--trace-dir")
+        if args.out and os.path.abspath(args.out) == os.path.abspath(args.trace_dir):
+            raise ValueError(f"--trace-dir {args.trace_dir!r} is also --out: give the traces "
+                             "a folder of their own")
     return RunConfig(
         models=tuple(args.model or [defaults["model"]]),
         num_layers=args.num_layers,
@@ -1589,7 +1597,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_host_memory(
                     approx_param_count(shape, layers) * (4 if run.dtype == "fp32" else 2),
                     len(run.baselines) + 1, f"{shape.name}, {layers} layers")
-        make_folder(args.out)  # the run proceeds: --out's (and --trace-dir's) folder now
+        # the run proceeds (every check above passed): --out's and --trace-dir's folders now
+        make_folder(args.out)
         if run.trace_dir:
             make_folder(os.path.join(run.trace_dir, "trace.json"), "--trace-dir")
         device = init_process_group(run.device)

@@ -9,8 +9,9 @@ over the forwards of the stage's host microseconds in one forward.
 
 Stage names:
 
-* an MoE layer's: "layer.<method>" (`MOE_LAYER_STAGES[""]`: Megatron's `MoELayer.forward`
-  steps), "token_dispatcher.<method>", "experts.<method>", and the flag-on path's "mo.*";
+* an MoE layer's: "layer.<method>" (`MOE_LAYER_STAGES[""]`: the steps Megatron's
+  `MoELayer.forward` calls, the shared experts' included), "token_dispatcher.<method>",
+  "experts.<method>", and the flag-on path's "mo.*";
 * a model's (`model_targets`): the MoE layers' names above, summed over its MoE layers; and
   "model.embedding", "model.output_layer", "decoder.final_layernorm",
   "decoder.input_layernorm", "decoder.self_attention", "decoder.pre_mlp_layernorm",
@@ -31,6 +32,7 @@ forward), so a stage that syncs also carries the device work queued before it.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -41,15 +43,18 @@ import torch
 from megatron_overlap.bench.measure import percentile, reduce_max, sync
 
 MOE_LAYER_STAGES: Dict[str, Tuple[str, ...]] = {
-    "": ("route", "preprocess", "dispatch", "routed_experts_compute", "combine", "postprocess"),
+    "": ("route", "preprocess", "dispatch", "shared_experts_compute", "routed_experts_compute",
+         "combine", "postprocess"),
     "token_dispatcher": ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
                          "combine_preprocess", "token_combine", "combine_postprocess",
                          "prepare_combine", "combine_send", "combine_finish"),
     "experts": ("forward", "forward_fc1"),
 }
 """Methods of an MoE layer that `moe_layer_targets` times: {attribute of the layer ("" =
-the layer itself): method names}; a method the instance lacks is skipped (the flag-off
-dispatcher has no `prepare_combine`)."""
+the layer itself): method names}: the steps megatron-core 0.19's `MoELayer.forward` calls
+(`shared_experts_compute` only in layers with shared experts), the dispatcher's and the
+experts'; a method the instance lacks is skipped (the flag-off dispatcher has no
+`prepare_combine`)."""
 
 Target = Tuple[object, str, str]
 """(object, method name, stage name): a method to time and the stage it counts towards."""
@@ -120,15 +125,19 @@ class _Patched:
     def __enter__(self) -> "_Patched":
         from megatron_overlap.profiling import span
 
-        for owner, method, stage in self.targets:
-            fn = getattr(owner, method)
+        try:
+            for owner, method, stage in self.targets:
+                fn = getattr(owner, method)
 
-            def timed(*args, _fn=fn, _stage=stage, **kwargs):
-                with span(_stage):
-                    return _fn(*args, **kwargs)
+                def timed(*args, _fn=fn, _stage=stage, **kwargs):
+                    with span(_stage):
+                        return _fn(*args, **kwargs)
 
-            self.saved.append((owner, method, owner.__dict__.get(method)))
-            setattr(owner, method, timed)
+                self.saved.append((owner, method, owner.__dict__.get(method)))
+                setattr(owner, method, timed)
+        except BaseException:
+            self.__exit__()  # (the with block never starts: undo what was patched)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -152,10 +161,13 @@ def host_breakdown(variants: Dict[str, Tuple[Callable[[], object], Sequence[Targ
         iters: forwards per variant (>= 1).
 
     Returns:
-        Per variant: "forward", "python.gc" and every stage entered (see the module
-        docstring); a stage entered several times in a forward counts the sum, a forward
-        that did not enter it 0. Every value is the maximum over the ranks (collective:
-        every rank must call it with the same variants and stages).
+        Per variant: "forward", "python.gc" and every stage entered on some rank (see the
+        module docstring); a stage entered several times in a forward counts the sum, a
+        forward that did not enter it 0. Every value is the maximum over the ranks, stage
+        by stage, so on several ranks the stages inside a stage may add up to more than it
+        (each maximum may come from another rank). The variants run one after another,
+        each its `iters` forwards back to back (not in the timing's alternating order).
+        Collective: every rank calls it with the same variants.
 
     Raises:
         ValueError: `iters` < 1.
@@ -198,12 +210,26 @@ def host_breakdown(variants: Dict[str, Tuple[Callable[[], object], Sequence[Targ
                 out[name] = stages
     finally:
         gc.callbacks.remove(on_gc)
-    # max over ranks, stage by stage (every rank has the same stage names per variant)
+    # max over ranks, stage by stage, over the union of every rank's stage names (a rank
+    # that did not enter a stage counts 0 there): one all-reduce per variant of the same
+    # length on every rank
     for name in out:
-        keys = sorted(out[name])
-        for key, v in zip(keys, reduce_max([out[name][k] for k in keys], device)):
-            out[name][key] = v
+        keys = sorted(_all_stage_names(out[name]))
+        values = reduce_max([out[name].get(k, 0.0) for k in keys], device)
+        out[name] = dict(zip(keys, values))
     return out
+
+
+def _all_stage_names(stages: Dict[str, float]) -> set:
+    """The union over the ranks of `stages`' names (this rank's alone without a process group
+    of more than one rank)."""
+    names = set(stages)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(names))
+        for other in gathered:
+            names.update(other)
+    return names
 
 
 def breakdown_table(breakdown: Dict[str, Dict[str, float]], title: str) -> str:
@@ -228,7 +254,11 @@ def profile_forwards(variants: Dict[str, Callable[[], object]], device: torch.de
     kernel tables, sorted by device time on CUDA (CPU time otherwise), one per variant
     headed "== profile <title> <variant>". With `trace_prefix`, rank 0 also writes
     `<trace_prefix>_<variant>.json` (chrome trace). Collective: every rank runs the
-    forwards (they hold collectives); the process group must be initialised."""
+    forwards (they hold collectives); the process group must be initialised.
+
+    Raises:
+        RuntimeError: the chrome trace was not written (the profiler only logs that).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -245,7 +275,10 @@ def profile_forwards(variants: Dict[str, Callable[[], object]], device: torch.de
                 if cuda:
                     torch.cuda.synchronize(device)
             if trace_prefix and dist.get_rank() == 0:
-                prof.export_chrome_trace(f"{trace_prefix}_{name}.json")
+                path = f"{trace_prefix}_{name}.json"
+                prof.export_chrome_trace(path)
+                if not os.path.isfile(path):  # (the exporter only logs its failures)
+                    raise RuntimeError(f"the profiler wrote no chrome trace to {path!r}")
             texts.append(f"== profile {title} {name}\n"
                          + prof.key_averages().table(sort_by=sort_by, row_limit=row_limit))
     return "\n".join(texts)

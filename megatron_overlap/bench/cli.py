@@ -323,6 +323,40 @@ def _check_folder_can_be_made(out: str, flag: str) -> None:
         raise ValueError(f"{flag} {out!r} is a directory: give a file path")
 
 
+def check_folder(folder: str, flag: str) -> None:
+    """An output folder named by option `flag` (e.g. a launcher's `--trace-dir`) that a run
+    will write files into: an existing one must be a writable directory of a file system
+    that stores files; a missing one must be creatable (the deepest existing part of its
+    path such a directory). Nothing is created.
+
+    Raises:
+        ValueError: it names something else than a directory (or a part of its path does),
+            lies on a kernel file system (`PSEUDO_FILE_SYSTEMS`), or is not writable (names
+            the part of the path and the reason).
+    """
+    if not folder:
+        raise ValueError(f"{flag}: expected a folder, got an empty path")
+    existing = folder
+    while existing and not os.path.lexists(existing):
+        parent = os.path.dirname(existing)
+        existing = "" if parent == existing else parent
+    here = existing or os.curdir
+    what = (f"{flag} {folder!r}" if here == folder
+            else f"{flag} {folder!r}: cannot create it")
+    if not os.path.isdir(here):
+        raise ValueError(f"{what}: {here!r} is not a directory")
+    kind = pseudo_file_system(here)
+    if kind is not None:
+        raise ValueError(f"{what}: {here!r} is on the kernel's {kind} file system")
+    try:
+        read_only = bool(os.statvfs(here).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    if read_only or not os.access(here, os.W_OK | os.X_OK):
+        reason = "Read-only file system" if read_only else "Permission denied"
+        raise ValueError(f"{what} ({reason}: {here!r})")
+
+
 def check_launch_inputs(out: str, flag: str = "--out", *, create: bool = True) -> None:
     """What every launcher checks before any work: each `MEGATRON_OVERLAP_*` variable
     (`megatron_overlap.config.check_environment`), that the results file `out` does not

@@ -71,7 +71,8 @@ Common fields:
   host_ms_p50 (layer from v4.5, prefill from v5.1: p50 of the host time to run and enqueue a
   forward, its waits in host syncs included, slowest rank;
   host_breakdown_us: {stage: host us per forward} with `--host-breakdown` (layer; prefill
-  from v5.8, its stages summed over the model's layers: `bench.breakdown`), else None;
+  from v5.8, its stages summed over the model's layers: `bench.breakdown`; `--breakdown`
+  tabulates layer rows only), else None;
   from v4.7 each stage's median over the forwards, plus "python.gc", the mean time per
   forward of Python's garbage collector; before, each stage's mean),
   speedup_over_on (t_variant / t_on, p50), memory in bytes per rank (max over ranks; None on

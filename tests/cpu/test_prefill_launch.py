@@ -176,6 +176,16 @@ def test_bad_layout_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2 and "--ep 3" in proc.stderr, _explain(proc)
     assert not (tmp_path / "new").exists() and not (tmp_path / "new_traces").exists()
+    # a --trace-dir that cannot be made is refused before --out's folder is made
+    (tmp_path / "afile").write_text("")
+    for trace_dir, message in (("afile/sub", "'afile' is not a directory"),
+                               ("new/rows.jsonl", "is also --out")):
+        cmd = [sys.executable, str(LAUNCHER), *COMMON, "--profile", "--trace-dir", trace_dir,
+               "--out", "new/rows.jsonl"]
+        proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=launcher_env(),
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert proc.returncode == 2 and message in proc.stderr, _explain(proc)
+        assert not (tmp_path / "new").exists()
 
 
 def test_bad_environment_and_out_exit_2(tmp_path, monkeypatch):
