@@ -43,7 +43,12 @@ import time
 
 import torch
 
-from megatron_overlap.bench.cli import add_timing_args, check_launch_inputs, positive_int
+from megatron_overlap.bench.cli import (
+    add_timing_args,
+    check_launch_inputs,
+    make_folder,
+    positive_int,
+)
 from megatron_overlap.bench.measure import percentile
 from megatron_overlap.config import FC1_CHUNK_MAX_MB
 from megatron_overlap.megatron.grouped_experts import (
@@ -109,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSONL file rows are appended to ('' = none)")
     args = p.parse_args(argv)
     try:
-        check_launch_inputs(args.out)
+        check_launch_inputs(args.out, create=False)  # its folder: made below
         shapes = [load_model_shape(m) for m in args.model]
     except (ValueError, FileNotFoundError) as err:
         p.error(str(err))
@@ -126,6 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     p.error(f"--chunk-mb {mode}:{mib:g} makes {chunks} chunks of "
                             f"{shape.name}'s {sum(counts)} rows at {tokens} tokens (more "
                             f"than {MAX_CHUNKS}): give a larger size")
+    make_folder(args.out)  # every check passed: the run proceeds
     args.shapes = shapes
     return args
 

@@ -447,7 +447,7 @@ def main() -> int:
             load_model_shape(model)
         for name in args.variants:
             parse_tile(name)
-        check_launch_inputs(args.out)
+        check_launch_inputs(args.out, create=False)  # its folder: made by rank 0 below
     except (ValueError, ImportError) as err:
         parser.error(str(err))
 

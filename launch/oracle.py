@@ -309,7 +309,7 @@ def main(argv=None) -> int:
             from megatron_overlap.resource.profile import load_profile
 
             load_profile(args.profile)
-        check_launch_inputs(args.out)
+        check_launch_inputs(args.out, create=False)  # its folder: made by `_write`
     except (ValueError, ImportError) as err:
         parser.error(str(err))
     for layout in args.layouts or ():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,41 @@ def test_pseudo_file_system():
         ("/proc", "/sys"))
     if os.path.isfile("/proc/version"):
         assert cli.pseudo_file_system("/proc/version") == "proc"
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench_op.py"],                 # no CUDA: refused after the input checks
+    ["oracle.py"],                   # the GPU run: the same
+    ["bench_fc1.py", "--ep", "7"],   # an EP that does not divide the experts
+], ids=["bench_op", "oracle", "bench_fc1"])
+def test_refused_launcher_runs_leave_no_out_folder(tmp_path, argv):
+    import subprocess
+    import sys
+
+    from tests.support.launch import launcher_env
+
+    if argv[0] != "bench_fc1.py":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("refused for lack of CUDA only on a CPU machine")
+    launch = Path(__file__).resolve().parents[2] / "launch"
+    proc = subprocess.run([sys.executable, str(launch / argv[0]), *argv[1:], "--out",
+                           "new/rows.jsonl"], cwd=tmp_path, env=launcher_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert not (tmp_path / "new").exists()
+
+
+def test_oracle_dry_run_still_makes_its_out_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.launch import launcher_env
+
+    launch = Path(__file__).resolve().parents[2] / "launch"
+    proc = subprocess.run([sys.executable, str(launch / "oracle.py"), "--dry-run", "--out",
+                           "new/rows.jsonl"], cwd=tmp_path, env=launcher_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert (tmp_path / "new" / "rows.jsonl").stat().st_size > 0
