@@ -296,31 +296,47 @@ def _check_folder_can_be_made(out: str, flag: str) -> None:
         ValueError: one of these fails (names the part of the path and the reason).
     """
     folder = os.path.dirname(out)
-    existing = folder
+    existing = _check_deepest_existing(folder,
+                                       f"{flag} {out!r}: cannot create its folder {folder!r}")
+    # what `out` names once the missing folders exist: they are made as real directories,
+    # so ".." in the part of the path still missing is lexical
+    rest = os.path.normpath(out[len(existing):].lstrip(os.sep))
+    if os.path.isdir(os.path.join(existing, rest) if existing else rest):
+        raise ValueError(f"{flag} {out!r} is a directory: give a file path")
+
+
+def _deepest_existing(path: str) -> str:
+    """The longest leading part of `path` that exists ("" where none does: the current
+    directory's)."""
+    existing = path
     while existing and not os.path.lexists(existing):
         parent = os.path.dirname(existing)
         existing = "" if parent == existing else parent
+    return existing
+
+
+def _check_deepest_existing(path: str, what: str) -> str:
+    """Check that the deepest existing part of `path` (`_deepest_existing`) is a writable,
+    searchable directory of a file system that stores files; returns that part.
+
+    Raises:
+        ValueError: it is not (the message starts with `what`, names the part and why).
+    """
+    existing = _deepest_existing(path)
     here = existing or os.curdir
     if not os.path.isdir(here):
-        raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r}: "
-                         f"{existing!r} is not a directory")
+        raise ValueError(f"{what}: {here!r} is not a directory")
     kind = pseudo_file_system(here)
     if kind is not None:
-        raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} ({here!r} is "
-                         f"on the kernel's {kind} file system)")
+        raise ValueError(f"{what}: {here!r} is on the kernel's {kind} file system")
     try:
         read_only = bool(os.statvfs(here).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):
         read_only = False
     if read_only or not os.access(here, os.W_OK | os.X_OK):
         reason = "Read-only file system" if read_only else "Permission denied"
-        raise ValueError(f"{flag} {out!r}: cannot create its folder {folder!r} ({reason}: "
-                         f"{here!r})")
-    # what `out` names once the missing folders exist: they are made as real directories,
-    # so ".." in the part of the path still missing is lexical
-    rest = os.path.normpath(out[len(existing):].lstrip(os.sep))
-    if os.path.isdir(os.path.join(existing, rest) if existing else rest):
-        raise ValueError(f"{flag} {out!r} is a directory: give a file path")
+        raise ValueError(f"{what} ({reason}: {here!r})")
+    return existing
 
 
 def check_folder(folder: str, flag: str) -> None:
@@ -336,25 +352,9 @@ def check_folder(folder: str, flag: str) -> None:
     """
     if not folder:
         raise ValueError(f"{flag}: expected a folder, got an empty path")
-    existing = folder
-    while existing and not os.path.lexists(existing):
-        parent = os.path.dirname(existing)
-        existing = "" if parent == existing else parent
-    here = existing or os.curdir
-    what = (f"{flag} {folder!r}" if here == folder
-            else f"{flag} {folder!r}: cannot create it")
-    if not os.path.isdir(here):
-        raise ValueError(f"{what}: {here!r} is not a directory")
-    kind = pseudo_file_system(here)
-    if kind is not None:
-        raise ValueError(f"{what}: {here!r} is on the kernel's {kind} file system")
-    try:
-        read_only = bool(os.statvfs(here).f_flag & os.ST_RDONLY)
-    except (OSError, AttributeError):
-        read_only = False
-    if read_only or not os.access(here, os.W_OK | os.X_OK):
-        reason = "Read-only file system" if read_only else "Permission denied"
-        raise ValueError(f"{what} ({reason}: {here!r})")
+    missing = not os.path.lexists(folder)
+    _check_deepest_existing(folder, f"{flag} {folder!r}" + (": cannot create it" if missing
+                                                             else ""))
 
 
 def check_launch_inputs(out: str, flag: str = "--out", *, create: bool = True) -> None:
