@@ -53,7 +53,6 @@ layout extension there is no "tables (fused)" step (the call would run "steps").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -422,10 +421,10 @@ def _measure(args, todo: dict, threads: int, stamp: str) -> int:
                          seed=args.seed, intra_op_threads=threads, timestamp=stamp,
                          **fused_path_settings()))
     if args.out:
+        from megatron_overlap.bench.measure import append_rows
+
         try:
-            with open(args.out, "a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+            append_rows(args.out, rows)
         except OSError as err:
             print(f"bench_host: cannot write the rows to {args.out}: {err}", file=sys.stderr)
             return 2

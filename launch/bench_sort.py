@@ -32,7 +32,6 @@ workload.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -152,10 +151,10 @@ def _measure(args) -> int:
                          gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          git_sha=git_sha(), timestamp=stamp))
     if args.out:
+        from megatron_overlap.bench.measure import append_rows
+
         try:
-            with open(args.out, "a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+            append_rows(args.out, rows)
         except OSError as err:
             print(f"bench_sort: cannot write the rows to {args.out}: {err}", file=sys.stderr)
             return 2
