@@ -112,7 +112,7 @@ def test_prefill_launch(tmp_path, nproc, layout_args, layout, dp):
     for row in rows:
         _check_row(row, layout=layout, dp=dp, world_size=nproc)
         if "--host-breakdown" in layout_args:
-            _check_breakdown(row, moe_layers=2)
+            _check_breakdown(row, moe_layers=2, world_size=nproc)
         else:
             assert row["host_breakdown_us"] is None, row
     title = f"tiny {layout} seq {SEQ}"
@@ -127,8 +127,13 @@ def test_prefill_launch(tmp_path, nproc, layout_args, layout, dp):
         assert "== profile" not in proc.stdout, _explain(proc)
 
 
-def _check_breakdown(row: dict, moe_layers: int) -> None:
-    """A row of `--host-breakdown`: the model's stages, each within the forward."""
+def _check_breakdown(row: dict, moe_layers: int, world_size: int) -> None:
+    """A row of `--host-breakdown`: the model's stages, each within the forward.
+
+    Each stage is its max over ranks, taken stage by stage, so a stage is at most the
+    forward (a rank's stage lies inside that rank's forward), but a sum of stages can pass
+    the forward when the maxima come from different ranks: the sums are checked at world 1.
+    """
     stages = row["host_breakdown_us"]
     assert isinstance(stages, dict), row
     forward = stages["forward"]
@@ -138,8 +143,9 @@ def _check_breakdown(row: dict, moe_layers: int) -> None:
         assert 0 < stages[name] < forward, (name, stages)
     # the MoE layers' stages inside their layers' forward, the layers inside the model's
     assert stages["layer.routed_experts_compute"] < stages["decoder.moe_layer"], stages
-    assert (stages["decoder.moe_layer"] + stages["decoder.self_attention"]
-            + stages["model.embedding"] < forward), stages
+    if world_size == 1:
+        assert (stages["decoder.moe_layer"] + stages["decoder.self_attention"]
+                + stages["model.embedding"] < forward), stages
     assert "decoder.dense_mlp" not in stages, stages  # tiny: MoE layers only
     flag_on = {"mo.plan", "token_dispatcher.prepare_combine", "experts.forward_fc1"}
     if row["variant"] == "on":
@@ -307,7 +313,7 @@ def test_prefill_several_models_and_grouped_baseline(tmp_path):
     for row in rows:
         assert row["num_layers"] == 1 and row["fused_moe_layers"] == 1
         assert row["agree"] is True, row["errors"]
-        _check_breakdown(row, moe_layers=1)
+        _check_breakdown(row, moe_layers=1, world_size=1)
         assert row["label"] and row["experts_impl"]
         assert row["param_bytes"] > 0 and row["own_peak_bytes"] is None  # CPU: no memory
     grouped = [r for r in rows if r["variant"] == "off-grouped"]
