@@ -284,7 +284,7 @@ def gpu_steps(model: str, tokens: int, seed: int) -> dict:
     calls = []
 
     def combine():
-        tile = default_tile(device)
+        tile = default_tile(device, 1)  # world 1
         plan = plan_gemm2_gatherrs(
             meta, options, num_sms=sms, hidden=hidden, ffn=ffn, elem_bytes=2, recv_rows=rows,
             kernel=call_resources(h.dtype, ffn, hidden, 1, topk, num_experts, tile),
@@ -419,7 +419,7 @@ def _measure(args, todo: dict, threads: int, stamp: str) -> int:
                          gpu=_gpu_name() if args.gpu else "cpu", timing_order="williams",
                          git_sha=git_sha(), resource_solver=implementation_name(),
                          seed=args.seed, intra_op_threads=threads, timestamp=stamp,
-                         **fused_path_settings()))
+                         **fused_path_settings(ep)))
     if args.out:
         from megatron_overlap.bench.measure import append_rows
 

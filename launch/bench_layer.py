@@ -284,14 +284,19 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def parse_alt_env(text: str) -> tuple[str, str] | None:
+def parse_alt_env(text: str, group_sizes: tuple[int, ...] = (1,)) -> tuple[str, str] | None:
     """`--alt-env VAR=VALUE` -> (VAR, VALUE); "" -> None.
+
+    Args:
+        text: the option's value.
+        group_sizes: the TP x EP group sizes of the run's layouts (a setting whose effect
+            depends on it, `MEGATRON_OVERLAP_TMA_STORE`'s default, is compared over all).
 
     Raises:
         ValueError: not VAR=VALUE, VAR not one of `ALT_ENV_VARIABLES`, VAR already set to
-            VALUE or to a value of the same effect (`_effective_setting`: e.g. the default
-            spelled out), or a value the fused path refuses (`megatron_overlap.config.
-            check_environment` with it set).
+            VALUE or to a value of the same effect in every layout (`_effective_setting`:
+            e.g. the default spelled out), or a value the fused path refuses
+            (`megatron_overlap.config.check_environment` with it set).
     """
     if not text:
         return None
@@ -309,11 +314,11 @@ def parse_alt_env(text: str) -> tuple[str, str] | None:
     with alt_environment((var, value)):
         try:
             check_environment()
-            alt = _effective_setting(var)
+            alt = _effective_setting(var, group_sizes)
         except (ValueError, ImportError) as err:
             raise ValueError(f"--alt-env {text!r}: {err}") from None
     try:
-        current = _effective_setting(var)
+        current = _effective_setting(var, group_sizes)
     except (ValueError, ImportError):
         current = None  # (the launch's own check reports the current value)
     if alt == current:
@@ -325,16 +330,16 @@ def parse_alt_env(text: str) -> tuple[str, str] | None:
     return var, value
 
 
-def _effective_setting(var: str):
-    """What the fused path makes of `var` now (`fused_path_settings`, the FC1 chunk, the
-    solver's name, the hardware profile): two values with the same effect compare equal
-    (e.g. unset and the default)."""
+def _effective_setting(var: str, group_sizes: tuple[int, ...] = (1,)):
+    """What the fused path makes of `var` now (`fused_path_settings` for each TP x EP group
+    size in `group_sizes`, the FC1 chunk, the solver's name, the hardware profile): two
+    values with the same effect compare equal (e.g. unset and the default)."""
     from megatron_overlap.resource.profile import load_profile
 
     name = var[len("MEGATRON_OVERLAP_"):].lower()
-    settings = fused_path_settings()
-    if name in settings:
-        return settings[name]
+    settings = [fused_path_settings(size) for size in group_sizes]
+    if name in settings[0]:
+        return tuple(s[name] for s in settings)
     if name == "fc1_chunk_mb":
         return fc1_chunk_bytes()
     if name == "solver":
@@ -360,7 +365,12 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     if device == "cpu" and torch.cuda.is_available():
         raise ValueError("--device cpu: CUDA is visible; the CPU patches of Megatron refuse to "
                          "run then (hide the GPUs with CUDA_VISIBLE_DEVICES=)")
-    alt_env = parse_alt_env(args.alt_env)
+    layouts = args.layouts or list(dict.fromkeys([(1, world_size), (world_size, 1)]))
+    for tp, ep in layouts:
+        if world_size % (tp * ep):
+            raise ValueError(f"--layouts tp{tp}ep{ep}: world size {world_size} is not a "
+                             f"multiple of tp * ep = {tp * ep}")
+    alt_env = parse_alt_env(args.alt_env, tuple(sorted({tp * ep for tp, ep in layouts})))
     if (alt_env is not None and alt_env[0] in TRITON_ONLY_VARIABLES and device == "cpu"
             and int(os.environ.get("RANK", "0")) == 0):
         print(f"bench_layer: note: --alt-env {alt_env[0]}: on the CPU the flag-on layer "
@@ -378,11 +388,6 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
             raise ValueError(f"--trace-dir {args.trace_dir}: cannot create it "
                              f"({err.strerror})") from None
     defaults = CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS
-    layouts = args.layouts or list(dict.fromkeys([(1, world_size), (world_size, 1)]))
-    for tp, ep in layouts:
-        if world_size % (tp * ep):
-            raise ValueError(f"--layouts tp{tp}ep{ep}: world size {world_size} is not a "
-                             f"multiple of tp * ep = {tp * ep}")
     return RunConfig(
         models=tuple(dict.fromkeys(args.model or defaults["models"])),  # each once
         seq_lengths=tuple(args.seq_lengths or defaults["seq_lengths"]),
@@ -792,7 +797,7 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
     if "on-alt" in ms:  # the settings its forwards ran with (info: the process's)
         with alt_environment(run.alt_env):
             alt_settings = {"fc1_chunk_bytes": fc1_chunk_bytes(),
-                            **fused_path_settings(),
+                            **fused_path_settings(info["tp"] * info["ep"]),
                             "resource_solver": implementation_name()}
     for name, times in ms.items():
         flag_on = name in ("on", "on-alt")
@@ -916,7 +921,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "fc1_chunk_bytes": fc1_chunk_bytes(),
                 # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
                 # host_tables, fast_launch, host_cache, host_splits
-                **fused_path_settings(),
+                **fused_path_settings(tp * ep),
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,

@@ -265,6 +265,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         from megatron_overlap.symm import get_workspace
 
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        call_tile = default_tile(device, meta.group_size)  # the op's tile for this group
         # The plan as the op makes it (k from the model; mode: GatherRSOptions' default "auto").
         # The timed direct / pre-reduced calls below use its grid and k; auto_mode records
         # which of the two the resource manager would run.
@@ -272,8 +273,9 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                                    elem_bytes=h.element_size(),
                                    recv_rows=int(maps[rank].sum()) * tp,
                                    kernel=call_resources(h.dtype, ffn, hidden, tp, meta.topk,
-                                                         meta.routing_map.shape[1]),
-                                   tma_store=epilogue_stores_tma(default_tile(device), hidden,
+                                                         meta.routing_map.shape[1],
+                                                         call_tile),
+                                   tma_store=epilogue_stores_tma(call_tile, hidden,
                                                                  h.element_size()))
         ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
 
@@ -368,6 +370,8 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                   max_rel_err_variants=variant_errs,
                   max_rel_err_prereduced_mode=err_prereduced, auto_mode=plan.mode,
                   num_comm_ctas=plan.num_comm_ctas,
+                  # the GEMM2 epilogue of ours / ours_nocomm (the op's tile for this group)
+                  tma_store=epilogue_stores_tma(call_tile, hidden, h.element_size()),
                   gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
     # every rank's p50 -> the slowest rank is the op's time
     rows_out = []

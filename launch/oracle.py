@@ -79,7 +79,7 @@ def plan_for(meta, shape, tp, maps, rank, num_sms, options=None, profile=None):
         meta, options or DIRECT, num_sms=num_sms,
         hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size // tp, elem_bytes=2,
         recv_rows=int(maps[rank].sum()) * tp, profile=profile,
-        tma_store=epilogue_stores_tma(_gpu_tile(), shape.hidden_size, 2))
+        tma_store=epilogue_stores_tma(_gpu_tile(meta.group_size), shape.hidden_size, 2))
 
 
 def dry_run(args) -> int:

@@ -32,7 +32,7 @@ comparison and debugging)."""
 TMA_STORE_ENV = "MEGATRON_OVERLAP_TMA_STORE"
 """How the GEMM2 kernel's epilogue stores its tiles on the GPU (`tma_store_enabled`): "1"
 through a TMA descriptor per tile, asynchronous (`TileConfig.tma_store`), "0" from
-registers."""
+registers; unset: TMA at world 1, registers at world > 1 (`TMA_STORE_DEFAULT_MAX_WORLD`)."""
 
 HOST_TABLES_ENV = "MEGATRON_OVERLAP_HOST_TABLES"
 """How a direct call's host tables (segments, finalize bases, arrival targets) reach its
@@ -79,25 +79,27 @@ def check_environment() -> None:
     host_tables_mode()
     host_cache_enabled()
     host_splits_enabled()
-    tma_store_enabled()
+    tma_store_enabled(1)
     fast_launch_enabled()
     load_profile()
     implementation()
     fc1_chunk_bytes()
 
 
-def fused_path_settings() -> dict:
-    """The effective values of the fused path's per-call variables, as the benchmarks'
-    rows record them: {"tma_store": bool, "tile_list": "device" | "host", "host_tables":
-    "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache": bool,
-    "host_splits": bool} (unset and empty read as the defaults).
+def fused_path_settings(world_size: int) -> dict:
+    """The effective values of the fused path's per-call variables for calls over
+    `world_size` ranks (the TP x EP group), as the benchmarks' rows record them:
+    {"tma_store": bool, "tile_list": "device" | "host", "host_tables": "fused" | "steps",
+    "fast_launch": "0" | "1" | "direct", "host_cache": bool, "host_splits": bool} (unset
+    and empty read as the defaults; `tma_store`'s default depends on `world_size`).
 
     Raises:
-        ValueError: a bad value (as `check_environment`).
+        ValueError: a bad value (as `check_environment`); TypeError / ValueError: a bad
+            world_size (as `tma_store_enabled`).
     """
     from megatron_overlap.kernels.launch import fast_launch_mode
 
-    return {"tma_store": tma_store_enabled(), "tile_list": tile_list_source(),
+    return {"tma_store": tma_store_enabled(world_size), "tile_list": tile_list_source(),
             "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode(),
             "host_cache": host_cache_enabled(), "host_splits": host_splits_enabled()}
 
@@ -190,18 +192,30 @@ def _zero_or_one(name: str, default: bool) -> bool:
     return default if value == "" else value == "1"
 
 
-TMA_STORE_DEFAULT = False
-"""The GEMM2 epilogue's default on the GPU where $MEGATRON_OVERLAP_TMA_STORE is unset."""
+TMA_STORE_DEFAULT_MAX_WORLD = 1
+"""Where $MEGATRON_OVERLAP_TMA_STORE is unset, the GEMM2 epilogue stores through TMA
+descriptors for process groups of at most this many ranks, from registers for larger ones.
+World 1 (every tile local): run on an H200 bit for bit equal to the register epilogue, the
+producer 3-22 % faster (docs/perf_notes.md v5.3, v5.9). World > 1: its stores into a peer
+GPU's buffer over NVLink have run only emulated on one GPU (v5.6), not yet on two."""
 
 
-def tma_store_enabled() -> bool:
-    """$MEGATRON_OVERLAP_TMA_STORE: whether the GPU's default tile configuration stores the
-    GEMM2 tiles through TMA descriptors; `TMA_STORE_DEFAULT` when unset or empty.
+def tma_store_enabled(world_size: int) -> bool:
+    """$MEGATRON_OVERLAP_TMA_STORE: whether the GPU's default tile configuration for a call
+    over `world_size` ranks (its TP x EP group) stores the GEMM2 tiles through TMA
+    descriptors: "1" always, "0" never; unset or empty: where `world_size <=
+    TMA_STORE_DEFAULT_MAX_WORLD`.
 
     Raises:
-        ValueError: any other value than "0" or "1".
+        TypeError: world_size is not an int.
+        ValueError: world_size < 1; the variable is anything other than "0" or "1".
     """
-    return _zero_or_one(TMA_STORE_ENV, TMA_STORE_DEFAULT)
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size={world_size!r}: expected an int (ranks of the call's "
+                        "TP x EP group)")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: expected >= 1")
+    return _zero_or_one(TMA_STORE_ENV, world_size <= TMA_STORE_DEFAULT_MAX_WORLD)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU checks and side-by-side measurements of the GEMM2 kernel's two opt-in variants of
-# v5.2 (docs/perf_notes.md v5.2), written in a session that had no GPU machine:
+# GPU checks and side-by-side measurements of the GEMM2 kernel's two variants of v5.2
+# (docs/perf_notes.md v5.2), written in a session that had no GPU machine:
 #   tma  the epilogue stores each tile through a TMA descriptor of its rows, asynchronously
-#        (TileConfig.tma_store; MEGATRON_OVERLAP_TMA_STORE=1 makes it the GPU default)
+#        (TileConfig.tma_store; the GPU default at world 1 since v5.9, opt-in at world > 1:
+#        MEGATRON_OVERLAP_TMA_STORE=1)
 #   rot  the static schedule's waves rotated over the CTAs (TileConfig.rotate)
 # Device tool: kind nvidia-h200-x2 (the op and layer phases also run on one GPU, at world 1),
 # carry [".whl"], one phase per call (each fits the 600 s limit):
@@ -23,7 +24,7 @@
 #          (rows ours[<tile>] and nocomm[<tile>]); rows $OUT/bench_op_epilogue.jsonl
 #   layer  launch/bench_layer.py, Qwen3-30B-A3B and DeepSeek-V2-Lite at 32768 tokens, EP2
 #          and TP2 (EP1 on one GPU), two rounds (processes, each cut at its share of 560 s),
-#          each timing 'on' (register stores) and 'on-alt' (--alt-env
+#          each timing 'on' (register stores: MEGATRON_OVERLAP_TMA_STORE=0) and 'on-alt' (--alt-env
 #          MEGATRON_OVERLAP_TMA_STORE=1: the same layer, forwards interleaved) against
 #          off-grouped; then a table per round; rows $OUT/layer_tma.jsonl
 # OUT (default results/epilogue_ab) is relative to the caller's directory.
@@ -98,7 +99,7 @@ case "${1:-}" in
       (( limit < 10 )) && limit=10  # (timeout 0 would mean no limit)
       echo "== round $round (limit ${limit} s)"
       # shellcheck disable=SC2086
-      env -u MEGATRON_OVERLAP_TMA_STORE timeout "$limit" torchrun --standalone \
+      MEGATRON_OVERLAP_TMA_STORE=0 timeout "$limit" torchrun --standalone \
         --nproc_per_node "$nproc" launch/bench_layer.py \
         --model ${MO_MODELS:-qwen3-30b-a3b deepseek-v2-lite} \
         --seq-lengths ${MO_SEQS:-32768} --layouts $layouts --baselines off-grouped \

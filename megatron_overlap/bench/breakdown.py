@@ -11,7 +11,11 @@ Stage names:
 
 * an MoE layer's: "layer.<method>" (`MOE_LAYER_STAGES[""]`: the steps Megatron's
   `MoELayer.forward` calls, the shared experts' included), "token_dispatcher.<method>",
-  "experts.<method>", and the flag-on path's "mo.*";
+  "experts.<method>", the flag-on path's "mo.*", and inside the grouped FC1 (flag on and
+  `off-grouped` alike: `megatron.grouped_experts`) "fc1.weights" (the stacked weights'
+  view), "fc1.counts", "fc1.gate_half" / "fc1.linear_half" (the SwiGLU FC1's two grouped
+  GEMMs), "fc1.swiglu", and "grouped_mm.offsets" / "grouped_mm.call" (every grouped GEMM's
+  offsets upload and torch call, `off-grouped`'s FC2 included);
 * a model's (`model_targets`): the MoE layers' names above, summed over its MoE layers; and
   "model.embedding", "model.output_layer", "decoder.final_layernorm",
   "decoder.input_layernorm", "decoder.self_attention", "decoder.pre_mlp_layernorm",

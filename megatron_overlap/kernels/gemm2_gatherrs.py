@@ -19,7 +19,8 @@ end):
   holds k remote and G - k local ones, CTA p taking tiles p, p + G, ... (no atomics; the
   default); or two atomic claim counters (dynamic: a slow CTA cannot delay others; each CTA
   claims its next tile before computing the current one, hiding the atomic's latency).
-  Opt-in variants (v5.2, `TileConfig` fields; not yet GPU-run): TMA_STORE, the epilogue
+  Variants (v5.2, `TileConfig` fields): TMA_STORE (the default tile's at world 1 since v5.9;
+  opt-in at world > 1, where it has run only emulated on one GPU), the epilogue
   stores through a TMA descriptor of the tile's rows (asynchronous: Triton's pipeliner
   waits for it only before the next tile's epilogue; a full wait and a proxy fence precede
   each signal), and ROTATE, the static list's waves rotated over the CTAs.

@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.mlp import MLP
 
 from megatron_overlap.config import fc1_chunk_bytes
+from megatron_overlap.profiling import span
 
 __all__ = [
     "expert_matmul",
@@ -296,9 +297,12 @@ def expert_matmul(
     fn, name = _grouped_mm_fn()
     key = (x.device.type, x.dtype, x.shape[1], weight.shape[1])  # refusals: dtype/alignment
     if fn is not None and key not in _refused:
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+        with span("grouped_mm.offsets"):
+            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+            offs = offs.to(x.device, non_blocking=True)
         try:
-            return fn(x, weight.transpose(1, 2), offs=offs.to(x.device, non_blocking=True)), name
+            with span("grouped_mm.call"):
+                return fn(x, weight.transpose(1, 2), offs=offs), name
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             # torch's checks (dtype, alignment, architecture) raise before any work is queued
             _refused[key] = str(err)
@@ -597,12 +601,15 @@ def swiglu_fc1_split(x: torch.Tensor, w1: torch.Tensor, counts: Sequence[int],
         ([N, F] in x's dtype, the last `expert_matmul` impl, the number of chunks).
     """
     half = w1.shape[1] // 2
-    h, impl = expert_matmul(x, w1[:, :half], counts)
+    with span("fc1.gate_half"):
+        h, impl = expert_matmul(x, w1[:, :half], counts)
     chunks = row_chunks(counts, half * x.element_size(), budget)
     for row0, row1, first, end, chunk_counts in chunks:
-        x_lin, impl = expert_matmul(x[row0:row1], w1[first:end, half:], chunk_counts)
-        rows = h[row0:row1]
-        _swiglu_probs_(rows, x_lin, probs[row0:row1], rows)
+        with span("fc1.linear_half"):
+            x_lin, impl = expert_matmul(x[row0:row1], w1[first:end, half:], chunk_counts)
+        with span("fc1.swiglu"):
+            rows = h[row0:row1]
+            _swiglu_probs_(rows, x_lin, probs[row0:row1], rows)
         del x_lin
     return h, impl, len(chunks)
 
@@ -648,11 +655,14 @@ def grouped_fc1_activation(
     Raises:
         ValueError: $MEGATRON_OVERLAP_FC1_CHUNK_MB is not a number > 0.
     """
-    mlps = list(experts.local_experts)
-    fc1_weights = expert_weights(experts, "linear_fc1")
-    cache = getattr(experts, "fc1_stack_cache", None)
-    w1, how = cache.get(fc1_weights) if cache is not None else stacked_weights(fc1_weights)
-    counts = _counts(tokens_per_expert, len(mlps), x.shape[0])
+    with span("fc1.weights"):
+        mlps = list(experts.local_experts)
+        fc1_weights = expert_weights(experts, "linear_fc1")
+        cache = getattr(experts, "fc1_stack_cache", None)
+        w1, how = (cache.get(fc1_weights) if cache is not None
+                   else stacked_weights(fc1_weights))
+    with span("fc1.counts"):
+        counts = _counts(tokens_per_expert, len(mlps), x.shape[0])
     # FC1's output in chunks of at most fc1_chunk_bytes(): the [N, I] FC1 output of all
     # rows at once would be a peak the per-expert loop never has.
     # (probs recorded by autograd, e.g. a trainable router with frozen experts: Megatron's

@@ -141,7 +141,8 @@ def prepare_gemm2_gatherrs(
             runs direct even where the plan chose "prereduce" (no hidden collective).
             Every rank must pass them alike (all or none). Ignored in the direct mode.
         tile: the call's `TileConfig` (`ops.triton_gemm2_gatherrs`); None:
-            `default_tile(h_like.device)`, read here once for the plan and the call.
+            `default_tile(h_like.device, meta.group_size)`, read here once for the plan and the
+            call.
 
     Returns:
         A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
@@ -170,7 +171,7 @@ def prepare_gemm2_gatherrs(
     from megatron_overlap.symm import get_workspace
 
     if tile is None:
-        tile = default_tile(h_like.device)
+        tile = default_tile(h_like.device, meta.group_size)
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         plan_options = options

@@ -113,11 +113,11 @@ class TileConfig:
 
 
 DEFAULT_TILE = TileConfig()
-"""GPU default with the epilogue's stores from registers (measured choice:
-docs/perf_notes.md); `default_tile` gives it or `DEFAULT_TMA_TILE`."""
+"""The GPU's tile with the epilogue's stores from registers (measured choice:
+docs/perf_notes.md): `default_tile`'s at world > 1 unless $MEGATRON_OVERLAP_TMA_STORE=1."""
 DEFAULT_TMA_TILE = dataclasses.replace(DEFAULT_TILE, tma_store=True)
-"""`DEFAULT_TILE` with the epilogue's stores through TMA descriptors
-($MEGATRON_OVERLAP_TMA_STORE, `megatron_overlap.config.tma_store_enabled`)."""
+"""`DEFAULT_TILE` with the epilogue's stores through TMA descriptors: `default_tile`'s at
+world 1 unless $MEGATRON_OVERLAP_TMA_STORE=0 (`megatron_overlap.config.tma_store_enabled`)."""
 INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
 """Small tiles for the Triton interpreter (speed)."""
 FINALIZE_BLOCK = (32, 128)
@@ -133,16 +133,21 @@ finalize index after their tiles; above, `_index_kernel` runs alone after the GE
 index's [64, EP2] int32 tiles would crowd the GEMM2 kernel's registers)."""
 
 
-def default_tile(device: torch.device) -> TileConfig:
-    """On CUDA `DEFAULT_TILE`, or `DEFAULT_TMA_TILE` where `tma_store_enabled()`;
-    `INTERPRETER_TILE` elsewhere."""
-    if torch.device(device).type != "cuda":
-        return INTERPRETER_TILE
-    return _gpu_tile()
+def default_tile(device: torch.device, world_size: int) -> TileConfig:
+    """The tile configuration of a call over `world_size` ranks (its TP x EP group) on
+    `device`: on CUDA `DEFAULT_TMA_TILE` where `tma_store_enabled(world_size)` (unset:
+    world 1), else `DEFAULT_TILE`; `INTERPRETER_TILE` elsewhere.
+
+    Raises:
+        TypeError, ValueError: a bad world_size or $MEGATRON_OVERLAP_TMA_STORE
+            (`tma_store_enabled`).
+    """
+    gpu_tile = _gpu_tile(world_size)  # checks world_size and the variable on every device
+    return gpu_tile if torch.device(device).type == "cuda" else INTERPRETER_TILE
 
 
-def _gpu_tile() -> TileConfig:
-    return DEFAULT_TMA_TILE if tma_store_enabled() else DEFAULT_TILE
+def _gpu_tile(world_size: int) -> TileConfig:
+    return DEFAULT_TMA_TILE if tma_store_enabled(world_size) else DEFAULT_TILE
 
 
 def epilogue_stores_tma(tile: TileConfig, hidden: int, elem_bytes: int) -> bool:
@@ -426,11 +431,11 @@ def compiled_resources(dtype: torch.dtype, ffn: int, hidden: int,
                        index: Optional[tuple] = None) -> Optional[KernelResources]:
     """Registers, shared memory and threads of the GEMM2 + scatter kernel compiled for this
     shape (the resource manager's occupancy input), or None before its first GPU launch in
-    this process. `tile`: None for the GPU's default (`default_tile`); `index`:
+    this process. `tile`: None for `DEFAULT_TILE` (the register epilogue's); `index`:
     `gemm_index_key` of the call (None: any; the first recorded for this shape)."""
     if index is not None:
-        return _RESOURCES.get((dtype, ffn, hidden, tile or _gpu_tile(), index))
-    want = (dtype, ffn, hidden, tile or _gpu_tile())
+        return _RESOURCES.get((dtype, ffn, hidden, tile or DEFAULT_TILE, index))
+    want = (dtype, ffn, hidden, tile or DEFAULT_TILE)
     for key, res in _RESOURCES.items():
         if key[:4] == want:
             return res
@@ -627,7 +632,7 @@ class _Call:
         plan: the resource manager's plan (grid, CTAs taking remote-bound tiles first).
         hidden: H; dtype, device: of the operands.
         timeout_s: bound of every spin-wait.
-        tile: tile configuration (default: `default_tile(device)`).
+        tile: tile configuration (default: `default_tile(device, meta.group_size)`).
     """
 
     MODE = "direct"
@@ -649,7 +654,7 @@ class _Call:
         self.device = torch.device(device)
         self.gpu = self.device.type == "cuda"
         self.dtype, self.hidden = dtype, hidden
-        self.tile = tile or default_tile(self.device)
+        self.tile = tile or default_tile(self.device, meta.group_size)
         self.rank = meta.ep_rank * meta.tp_size + meta.tp_rank
         self.grid = max(1, plan.num_ctas or 1)
         self.num_comm = int(plan.num_comm_ctas)

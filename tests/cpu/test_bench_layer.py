@@ -133,6 +133,8 @@ def test_bench_layer_world2_ep_and_tp(tmp_path):
     proc, rows = _launch(tmp_path, 2, "--layouts", "ep2", "tp2", "--profile")
     assert proc.returncode == 0, _explain(proc)
     _check_rows(rows, {"tp1/ep2/dp2/sp0": (1, 2), "tp2/ep1/dp1/sp1": (2, 1)}, 2)
+    # the GPU's default epilogue at a TP x EP group of 2 ranks: register stores
+    assert all(row["tma_store"] is False for row in rows), rows
     for variant in ("on", "off-grouped"):  # --profile: one table per variant and workload
         assert f"== profile tiny tp1/ep2/dp2/sp0 seq {SEQ} {variant}" in proc.stdout
     assert "cpu_time_total" not in proc.stdout and "Self CPU" in proc.stdout
@@ -165,7 +167,7 @@ def test_fc1_impl_reaches_the_flag_on_experts(tmp_path):
     on = next(r for r in rows if r["variant"] == "on")
     assert on["fc1_impl"] == "grouped" and on["agree"], on
     assert on["bias_activation_fusion"] is False and on["fc1_chunk_bytes"] == 128 * 2**20, on
-    assert on["tma_store"] is False, on
+    assert on["tma_store"] is True, on  # the GPU default tile at a group of 1 rank
     from megatron_overlap.resource.solver import implementation_name
 
     assert on["resource_solver"] == implementation_name(), on  # the launcher's, this one's
@@ -324,21 +326,39 @@ def test_alt_env_refuses_bad_values(value, message, monkeypatch):
     assert os.environ["MEGATRON_OVERLAP_FAST_LAUNCH"] == "0"
 
 
-@pytest.mark.parametrize("value", ["MEGATRON_OVERLAP_HOST_TABLES=fused",
-                                   "MEGATRON_OVERLAP_HOST_TABLES=",
-                                   "MEGATRON_OVERLAP_FAST_LAUNCH=1",
-                                   "MEGATRON_OVERLAP_TILE_LIST=device",
-                                   "MEGATRON_OVERLAP_TMA_STORE=0"])
-def test_alt_env_refuses_a_value_of_the_same_effect(value, monkeypatch):
-    """A value that means what the current setting means (here: the default spelled out,
-    or empty for unset) would make 'on-alt' run what 'on' runs: refused."""
+@pytest.mark.parametrize("value, group_sizes", [
+    ("MEGATRON_OVERLAP_HOST_TABLES=fused", (1,)),
+    ("MEGATRON_OVERLAP_HOST_TABLES=", (1,)),
+    ("MEGATRON_OVERLAP_FAST_LAUNCH=1", (1,)),
+    ("MEGATRON_OVERLAP_TILE_LIST=device", (1,)),
+    ("MEGATRON_OVERLAP_TMA_STORE=1", (1,)),  # unset: TMA at a group of 1 rank
+    ("MEGATRON_OVERLAP_TMA_STORE=0", (2,)),  # unset: registers at 2 ranks
+    ("MEGATRON_OVERLAP_TMA_STORE=0", (2, 4)),
+])
+def test_alt_env_refuses_a_value_of_the_same_effect(value, group_sizes, monkeypatch):
+    """A value that means what the current setting means in every layout of the run (here:
+    the default spelled out, or empty for unset) would make 'on-alt' run what 'on' runs:
+    refused."""
     module = _module()
     for name in ("HOST_TABLES", "FAST_LAUNCH", "TILE_LIST", "TMA_STORE"):
         monkeypatch.delenv(f"MEGATRON_OVERLAP_{name}", raising=False)
     with pytest.raises(ValueError, match="means what the current setting means"):
-        module.parse_alt_env(value)
-    assert module.parse_alt_env("MEGATRON_OVERLAP_HOST_TABLES=steps") == (
+        module.parse_alt_env(value, group_sizes)
+    assert module.parse_alt_env("MEGATRON_OVERLAP_HOST_TABLES=steps", group_sizes) == (
         "MEGATRON_OVERLAP_HOST_TABLES", "steps")
+
+
+@pytest.mark.parametrize("value, group_sizes", [
+    ("MEGATRON_OVERLAP_TMA_STORE=0", (1,)), ("MEGATRON_OVERLAP_TMA_STORE=1", (2,)),
+    ("MEGATRON_OVERLAP_TMA_STORE=0", (1, 2)), ("MEGATRON_OVERLAP_TMA_STORE=1", (1, 2)),
+])
+def test_alt_env_tma_store_compared_in_every_layout(value, group_sizes, monkeypatch):
+    """$MEGATRON_OVERLAP_TMA_STORE's default depends on the TP x EP group: a value is taken
+    where it changes the epilogue in at least one of the run's layouts."""
+    module = _module()
+    monkeypatch.delenv("MEGATRON_OVERLAP_TMA_STORE", raising=False)
+    var, _, want = value.partition("=")
+    assert module.parse_alt_env(value, group_sizes) == (var, want)
 
 
 def test_alt_env_once(capsys):
@@ -352,7 +372,7 @@ def test_alt_env_once(capsys):
 def test_alt_env_refuses_the_breakdowns():
     module = _module()
     args = module.build_parser().parse_args(
-        ["--device", "cpu", "--alt-env", "MEGATRON_OVERLAP_TMA_STORE=1", "--host-breakdown"])
+        ["--device", "cpu", "--alt-env", "MEGATRON_OVERLAP_TMA_STORE=0", "--host-breakdown"])
     with pytest.raises(ValueError, match="--alt-env times 'on-alt' only"):
         module.resolve_args(args, 1)
 

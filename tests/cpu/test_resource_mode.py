@@ -421,8 +421,11 @@ def test_dispatcher_plans_with_the_tile_time_of_its_epilogue(monkeypatch, tile, 
         return types.SimpleNamespace(MODE="direct")
 
     monkeypatch.setattr(d, "prepare_gemm2_gatherrs", prepare)
-    monkeypatch.setattr(t, "default_tile", lambda device: t.DEFAULT_TMA_TILE if tile == "tma"
-                        else t.DEFAULT_TILE)
+    def default_tile(device, world_size):
+        seen["world_size"] = world_size
+        return t.DEFAULT_TMA_TILE if tile == "tma" else t.DEFAULT_TILE
+
+    monkeypatch.setattr(t, "default_tile", default_tile)
     fake = types.SimpleNamespace(
         metadata=types.SimpleNamespace(group_size=1), _num_sms=132, ep_rank=0, tp_rank=0,
         tp_size=1, ep_size=1, num_experts=2, _counts=np.array([[2, 2]]), _triton=True,
@@ -434,6 +437,7 @@ def test_dispatcher_plans_with_the_tile_time_of_its_epilogue(monkeypatch, tile, 
         fake, torch.zeros(1, 8, dtype=torch.bfloat16),
         torch.zeros(2, hidden, 8, dtype=torch.bfloat16))
     assert seen["tma_store"] is want
+    assert seen["world_size"] == 1  # the tile asked for the call's TP x EP group
     # the call is prepared with the tile it was planned for (read once per forward)
     assert seen["prepared_tile"] is (t.DEFAULT_TMA_TILE if tile == "tma" else t.DEFAULT_TILE)
 

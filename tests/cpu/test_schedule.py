@@ -199,26 +199,49 @@ def test_compiled_kernel_resources_feed_the_plan():
     op._RESOURCES.pop(key)
 
 
-@pytest.mark.parametrize("value, expected", [("", False), ("0", False), ("1", True),
-                                             ("yes", None), ("true", None), (" 1", None)])
+@pytest.mark.parametrize("value, expected", [("", None), ("0", False), ("1", True),
+                                             ("yes", "refused"), ("true", "refused"),
+                                             (" 1", "refused")])
 def test_tma_store_variable_picks_the_gpu_default_tile(monkeypatch, value, expected):
     """$MEGATRON_OVERLAP_TMA_STORE: the GPU's default tile stores through TMA descriptors
-    ("1") or from registers ("0", unset: `TMA_STORE_DEFAULT`); anything else is refused,
-    naming the variable. The interpreter's tile never changes."""
+    ("1") or from registers ("0"); unset, through TMA for a group of at most
+    `TMA_STORE_DEFAULT_MAX_WORLD` (1) ranks and from registers for larger groups. Anything
+    else is refused, naming the variable. The interpreter's tile never changes."""
     import torch
 
     from megatron_overlap import config
     from megatron_overlap.ops import triton_gemm2_gatherrs as op
 
     monkeypatch.setenv(config.TMA_STORE_ENV, value)
-    if expected is None:
+    if expected == "refused":
         with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_TMA_STORE={value!r}"):
-            op.default_tile(torch.device("cuda"))
+            op.default_tile(torch.device("cuda"), 1)
+        with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_TMA_STORE={value!r}"):
+            op.default_tile(torch.device("cpu"), 1)  # refused on every device alike
         return
-    want = expected if value else config.TMA_STORE_DEFAULT
-    tile = op.default_tile(torch.device("cuda"))
-    assert tile.tma_store is want and tile == (op.DEFAULT_TMA_TILE if want else op.DEFAULT_TILE)
-    assert op.default_tile(torch.device("cpu")) == op.INTERPRETER_TILE
+    assert config.TMA_STORE_DEFAULT_MAX_WORLD == 1
+    for world in (1, 2, 4, 8):
+        want = expected if expected is not None else world <= 1
+        tile = op.default_tile(torch.device("cuda"), world)
+        assert tile.tma_store is want
+        assert tile == (op.DEFAULT_TMA_TILE if want else op.DEFAULT_TILE)
+        assert config.fused_path_settings(world)["tma_store"] is want
+        assert op.default_tile(torch.device("cpu"), world) == op.INTERPRETER_TILE
+
+
+@pytest.mark.parametrize("world, error", [(0, ValueError), (-2, ValueError),
+                                          (1.0, TypeError), (True, TypeError),
+                                          (None, TypeError)])
+def test_default_tile_refuses_a_bad_world_size(world, error):
+    import torch
+
+    from megatron_overlap.config import tma_store_enabled
+    from megatron_overlap.ops import triton_gemm2_gatherrs as op
+
+    with pytest.raises(error, match=f"world_size={world!r}"):
+        op.default_tile(torch.device("cuda"), world)
+    with pytest.raises(error, match=f"world_size={world!r}"):
+        tma_store_enabled(world)
 
 
 def test_tile_config_refuses_tma_store_and_rotate_without_the_static_schedule():
