@@ -32,11 +32,13 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron_overlap.megatron.grouped_experts import (
     StackedViewCache,
     cached_fc1_reason,
+    expert_counts,
     expert_matmul,
     expert_weights,
     grouped_fc1_activation,
     grouped_mm_name,
     restack_experts_,
+    shared_offsets,
 )
 
 __all__ = [
@@ -131,9 +133,12 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
         if reason is not None:
             self.last_impl = f"SequentialMLP loop: {reason}"
             return super().forward(x, tokens_per_expert, permuted_probs)
-        h, fc1 = grouped_fc1_activation(self, x, tokens_per_expert, permuted_probs)
+        # the rows per expert and their device offsets once, for FC1 and FC2 alike
+        counts = expert_counts(tokens_per_expert, len(self.local_experts), x.shape[0])
+        offsets = shared_offsets(counts, x)
+        h, fc1 = grouped_fc1_activation(self, x, counts, permuted_probs, offsets)
         w2, how = self.fc2_stack_cache.get(expert_weights(self, "linear_fc2"))
-        y, impl = expert_matmul(h, w2, tokens_per_expert)
+        y, impl = expert_matmul(h, w2, counts, offsets)
         self.last_impl = f"{fc1}; grouped FC2: {impl}, weights {how}"
         return y, None
 

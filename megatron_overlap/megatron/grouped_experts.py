@@ -43,15 +43,18 @@ from megatron_overlap.config import fc1_chunk_bytes
 from megatron_overlap.profiling import span
 
 __all__ = [
+    "expert_counts",
     "expert_matmul",
     "expert_parts",
     "expert_weights",
+    "group_offsets",
     "grouped_fc1_activation",
     "grouped_fc1_unsupported_reason",
     "grouped_mm_name",
     "mlp_parts_replaced",
     "restack_experts_",
     "row_chunks",
+    "shared_offsets",
     "stack_parameters_",
     "stacked_view",
     "stacked_weights",
@@ -245,8 +248,13 @@ def grouped_mm_name() -> str:
     return _grouped_mm_fn()[1]
 
 
-def _counts(tokens_per_expert: torch.Tensor | Sequence[int], num_experts: int,
-            num_rows: int) -> list[int]:
+def expert_counts(tokens_per_expert: torch.Tensor | Sequence[int], num_experts: int,
+                  num_rows: int) -> list[int]:
+    """`tokens_per_expert` as a list of ints (a tensor read to the host once), checked.
+
+    Raises:
+        ValueError: not `num_experts` non-negative counts summing to `num_rows`.
+    """
     if isinstance(tokens_per_expert, torch.Tensor):
         counts = [int(c) for c in tokens_per_expert.tolist()]
     else:
@@ -259,10 +267,30 @@ def _counts(tokens_per_expert: torch.Tensor | Sequence[int], num_experts: int,
     return counts
 
 
+def group_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[L] int32 running sums of `counts` on `device` (one host-to-device copy): the `offs`
+    operand of torch's grouped GEMM, for `expert_matmul(..., offsets=...)` when several
+    grouped GEMMs of one forward share the same rows per expert (FC1's two halves, FC2)."""
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+    return offs.to(device, non_blocking=True)
+
+
+def shared_offsets(counts: Sequence[int], x: torch.Tensor) -> torch.Tensor | None:
+    """`group_offsets(counts, x.device)` where `expert_matmul` of x's rows will run torch's
+    grouped GEMM (it exists, there are rows, and it has not refused x's dtype and width
+    before), else None: one upload for every grouped GEMM of a forward over these counts."""
+    if x.shape[0] == 0 or _grouped_mm_fn()[0] is None:
+        return None
+    if any(key[:3] == (x.device.type, x.dtype, x.shape[1]) for key in _refused):
+        return None
+    return group_offsets(counts, x.device)
+
+
 def expert_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
     tokens_per_expert: torch.Tensor | Sequence[int],
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, str]:
     """y = x_l @ weight[l]^T for each expert l's block of rows, as one grouped GEMM.
 
@@ -271,6 +299,10 @@ def expert_matmul(
         weight: [L, O, K] per-expert weights in Megatron's [out, in] layout, x's dtype and
             device (e.g. stacked `linear_fc1.weight`s, O = I, K = H).
         tokens_per_expert: [L] rows of each expert (tensor or sequence of ints), sum N.
+        offsets: `group_offsets(tokens_per_expert, x.device)` made earlier in the same
+            forward (saves its host-to-device copy), or None to make them here. Only the
+            grouped GEMM reads them; they must be of these counts (not checked
+            element-wise: that would need the device values).
 
     Returns:
         (y [N, O] in x's dtype, impl): impl names what ran: `grouped_mm_name()`, or "loop"
@@ -278,9 +310,15 @@ def expert_matmul(
         dtype / alignment (warned once per device type, dtype and K, O).
 
     Raises:
-        ValueError: shapes disagree, or the counts do not sum to N.
+        ValueError: shapes disagree, the counts do not sum to N, or offsets is not an [L]
+            int32 tensor on x's device.
         TypeError: dtypes or devices differ.
     """
+    if offsets is not None and (offsets.shape != (weight.shape[0],)
+                                or offsets.dtype != torch.int32 or offsets.device != x.device):
+        raise ValueError(f"offsets is {tuple(offsets.shape)} {offsets.dtype} on "
+                         f"{offsets.device}; expected ({weight.shape[0]},) int32 on {x.device} "
+                         "(group_offsets of the counts)")
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
         raise ValueError(
             f"x must be [N, K] and weight [L, O, K]; got x {tuple(x.shape)}, weight "
@@ -291,18 +329,18 @@ def expert_matmul(
             f"x is {x.dtype} on {x.device} but weight is {weight.dtype} on {weight.device}"
         )
     num_experts = weight.shape[0]
-    counts = _counts(tokens_per_expert, num_experts, x.shape[0])
+    counts = expert_counts(tokens_per_expert, num_experts, x.shape[0])
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[1]), "none (no rows)"
     fn, name = _grouped_mm_fn()
     key = (x.device.type, x.dtype, x.shape[1], weight.shape[1])  # refusals: dtype/alignment
     if fn is not None and key not in _refused:
-        with span("grouped_mm.offsets"):
-            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-            offs = offs.to(x.device, non_blocking=True)
+        if offsets is None:
+            with span("grouped_mm.offsets"):
+                offsets = group_offsets(counts, x.device)
         try:
             with span("grouped_mm.call"):
-                return fn(x, weight.transpose(1, 2), offs=offs), name
+                return fn(x, weight.transpose(1, 2), offs=offsets), name
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             # torch's checks (dtype, alignment, architecture) raise before any work is queued
             _refused[key] = str(err)
@@ -552,6 +590,17 @@ def row_chunks(counts: Sequence[int], row_bytes: int, budget: int):
     return chunks
 
 
+def _whole(chunks, counts: Sequence[int]):
+    """`row_chunks`' chunks, with a single chunk (all rows) widened to every expert: the same
+    product (an expert without rows adds none) whose grouped GEMM takes the offsets of all
+    the counts (`row_chunks` starts a chunk at the first expert with rows and ends it after
+    the last). Returns (chunks, whether it is that one chunk)."""
+    if len(chunks) != 1:
+        return chunks, False
+    row0, row1 = chunks[0][:2]
+    return [(row0, row1, 0, len(counts), list(counts))], True
+
+
 def swiglu_fc1_chunks(x: torch.Tensor, w1: torch.Tensor, chunks, probs: torch.Tensor
                       ) -> tuple[torch.Tensor, str]:
     """FC1 of every chunk of rows (`row_chunks`) as one grouped GEMM each, then
@@ -580,7 +629,8 @@ def swiglu_fc1_chunks(x: torch.Tensor, w1: torch.Tensor, chunks, probs: torch.Te
 
 
 def swiglu_fc1_split(x: torch.Tensor, w1: torch.Tensor, counts: Sequence[int],
-                     probs: torch.Tensor, budget: int) -> tuple[torch.Tensor, str, int]:
+                     probs: torch.Tensor, budget: int,
+                     offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, str, int]:
     """FC1 + SwiGLU x probs with FC1's two halves as separate grouped GEMMs: the gate half
     (`w1[:, :F]`, what Megatron's `chunk(fc1, 2)` calls x_glu) for all rows at once, straight
     into the [N, F] output; then the linear half (`w1[:, F:]`) in chunks of rows
@@ -596,17 +646,25 @@ def swiglu_fc1_split(x: torch.Tensor, w1: torch.Tensor, counts: Sequence[int],
         counts: [L] rows per local expert (sum N).
         probs: [N] router probability of each row (autograd must not record it).
         budget: the largest [rows, F] chunk of the linear half, in bytes.
+        offsets: `group_offsets(counts, x.device)` if the caller has them, else None: made
+            here (`shared_offsets`) and used by the gate half and, where it runs in one chunk,
+            the linear half (one upload instead of two).
 
     Returns:
         ([N, F] in x's dtype, the last `expert_matmul` impl, the number of chunks).
     """
     half = w1.shape[1] // 2
+    if offsets is None:
+        with span("grouped_mm.offsets"):
+            offsets = shared_offsets(counts, x)
     with span("fc1.gate_half"):
-        h, impl = expert_matmul(x, w1[:, :half], counts)
-    chunks = row_chunks(counts, half * x.element_size(), budget)
+        h, impl = expert_matmul(x, w1[:, :half], counts, offsets)
+    # one chunk: over every expert, with the gate half's offsets
+    chunks, whole = _whole(row_chunks(counts, half * x.element_size(), budget), counts)
     for row0, row1, first, end, chunk_counts in chunks:
         with span("fc1.linear_half"):
-            x_lin, impl = expert_matmul(x[row0:row1], w1[first:end, half:], chunk_counts)
+            x_lin, impl = expert_matmul(x[row0:row1], w1[first:end, half:], chunk_counts,
+                                        offsets if whole else None)
         with span("fc1.swiglu"):
             rows = h[row0:row1]
             _swiglu_probs_(rows, x_lin, probs[row0:row1], rows)
@@ -619,6 +677,7 @@ def grouped_fc1_activation(
     x: torch.Tensor,
     tokens_per_expert: torch.Tensor | Sequence[int],
     probs: torch.Tensor,
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, str]:
     """FC1 of all local experts as grouped GEMMs, then Megatron's activation and probs.
 
@@ -645,6 +704,9 @@ def grouped_fc1_activation(
         x: [N, H] rows grouped by local expert.
         tokens_per_expert: [L] rows per local expert.
         probs: [N] router probability of each row.
+        offsets: `group_offsets` of the counts on x's device, if the caller made them for
+            other grouped GEMMs of the same rows (the `off-grouped` baseline's FC2), else
+            None (made here once, `shared_offsets`, for every grouped GEMM over all rows).
 
     Returns:
         ([N, F] activations with probs applied, x's dtype; what ran the GEMMs:
@@ -662,7 +724,7 @@ def grouped_fc1_activation(
         w1, how = (cache.get(fc1_weights) if cache is not None
                    else stacked_weights(fc1_weights))
     with span("fc1.counts"):
-        counts = _counts(tokens_per_expert, len(mlps), x.shape[0])
+        counts = expert_counts(tokens_per_expert, len(mlps), x.shape[0])
     # FC1's output in chunks of at most fc1_chunk_bytes(): the [N, I] FC1 output of all
     # rows at once would be a peak the per-expert loop never has.
     # (probs recorded by autograd, e.g. a trainable router with frozen experts: Megatron's
@@ -670,17 +732,21 @@ def grouped_fc1_activation(
     in_place = (swiglu_in_place_applies(experts.config)
                 and not (torch.is_grad_enabled() and probs.requires_grad))
     if in_place:
-        h, impl, n = swiglu_fc1_split(x, w1, counts, probs, fc1_chunk_bytes())
+        h, impl, n = swiglu_fc1_split(x, w1, counts, probs, fc1_chunk_bytes(), offsets)
         split = f", linear half in {n} row chunks" if n > 1 else ""
         return h, f"grouped FC1: {impl}, weights {how}, SwiGLU in place{split}"
     # Megatron's MLP.forward (expert 0's, FC1 / FC2 passed through) on each chunk of rows;
     # chunks of as many rows as the split SwiGLU's: at most fc1_chunk_bytes() of [rows, F]
     # (F = the activation's width: I / 2 with a GLU)
     width = w1.shape[1] // 2 if experts.config.gated_linear_unit else w1.shape[1]
-    chunks = row_chunks(counts, width * x.element_size(), fc1_chunk_bytes())
+    chunks, whole = _whole(row_chunks(counts, width * x.element_size(), fc1_chunk_bytes()),
+                           counts)
+    if whole and offsets is None:
+        offsets = shared_offsets(counts, x)
     outs, impl = [], "none (no rows)"
     for row0, row1, first, end, chunk_counts in chunks:
-        fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts)
+        fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts,
+                                  offsets if whole else None)
         with mlp_parts_replaced(mlps[:1], fc1=True, fc2=True):
             # not __call__: expert 0's hooks stay quiet
             out, bias = mlps[0].forward(fc1, probs[row0:row1])

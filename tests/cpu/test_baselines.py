@@ -90,17 +90,23 @@ def _run_case(case: Case, rank: int) -> dict:
     # weight views (no stacking check); after a move (`_apply` re-stacks) they are redone.
     from megatron_overlap.megatron import grouped_experts
 
-    checks = []
+    checks, uploads = [], []
     original = grouped_experts.stacked_view
+    original_offsets = grouped_experts.group_offsets
     grouped_experts.stacked_view = lambda t: checks.append(len(t)) or original(t)
+    grouped_experts.group_offsets = (lambda c, d: uploads.append(list(c))
+                                     or original_offsets(c, d))
     try:
         with torch.no_grad():
             again, _ = grouped.experts(x, counts, probs)
             res["cached_checks"] = list(checks)
+            # FC1's two halves and FC2: one offsets upload for the forward
+            res["offset_uploads"] = list(uploads)
             grouped.experts._apply(lambda t: t.clone())  # every parameter moves
             moved, _ = grouped.experts(x, counts, probs)
     finally:
         grouped_experts.stacked_view = original
+        grouped_experts.group_offsets = original_offsets
     res["moved_checks"] = checks[len(res["cached_checks"]):]
     res["again_mismatch"] = describe_mismatch(again, out, rel_tol=0.0)
     res["moved_mismatch"] = describe_mismatch(moved, out, rel_tol=0.0)
@@ -173,6 +179,8 @@ def test_grouped_baseline_matches_sequential_mlp(world):
                 f"{grouped_mm_name()}, weights view"), where
             # cached: no stacking check on the second forward; redone (FC1, FC2) after a move
             assert res["cached_checks"] == [], where
+            assert res["offset_uploads"] == [[5 * (i + 1) if i != 1 else 0 for i in range(
+                case.num_experts // case.ep)]], where
             assert len(res["moved_checks"]) >= 2, where
             assert res["again_mismatch"] is None and res["moved_mismatch"] is None, where
             assert res["moved_impl"] == res["experts_impl"], where

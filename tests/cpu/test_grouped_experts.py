@@ -189,6 +189,55 @@ def test_expert_matmul_matches_per_expert_matmul(dtype):
     assert empty.shape == (0, 24) and impl.startswith("none")
 
 
+def test_expert_matmul_takes_offsets_made_earlier():
+    """`offsets=group_offsets(counts, device)` (one upload shared by several grouped GEMMs of
+    a forward) gives the same result as offsets made inside; offsets of the wrong length,
+    dtype or device are refused."""
+    from megatron_overlap.megatron.grouped_experts import group_offsets, shared_offsets
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 16, generator=gen)
+    w = torch.randn(4, 24, 16, generator=gen)
+    counts = [10, 0, 25, 5]
+    offs = group_offsets(counts, x.device)
+    assert offs.dtype == torch.int32 and offs.tolist() == [10, 10, 35, 40]
+    y, _ = expert_matmul(x, w, counts)
+    y_shared, _ = expert_matmul(x, w, counts, offs)
+    assert torch.equal(y, y_shared)
+    if grouped_mm_name() != "loop":
+        assert torch.equal(shared_offsets(counts, x), offs)
+    assert shared_offsets([0, 0, 0, 0], x[:0]) is None  # no rows: no grouped GEMM, no upload
+    for bad in (offs[:3], offs.long(), offs.float()):
+        with pytest.raises(ValueError, match="group_offsets of the counts"):
+            expert_matmul(x, w, counts, bad)
+
+
+def test_grouped_gemms_of_one_forward_upload_their_offsets_once(monkeypatch):
+    """The SwiGLU FC1's two halves share one offsets upload where the linear half runs in
+    one chunk (each further chunk has its own counts: its own upload), and the `off-grouped`
+    baseline's FC2 shares FC1's."""
+    from megatron_overlap.megatron import grouped_experts as ge
+    from megatron_overlap.megatron.grouped_experts import swiglu_fc1_split
+
+    if grouped_mm_name() == "loop":
+        pytest.skip("no grouped GEMM in this torch: no offsets")
+    uploads = []
+    real = ge.group_offsets
+    monkeypatch.setattr(ge, "group_offsets",
+                        lambda counts, device: uploads.append(list(counts)) or real(counts,
+                                                                                     device))
+    gen = torch.Generator().manual_seed(5)
+    counts = [3, 0, 7, 4]
+    w1 = torch.randn(4, 12, 8, generator=gen)
+    x = torch.randn(14, 8, generator=gen)
+    probs = torch.rand(14, generator=gen)
+    swiglu_fc1_split(x, w1, counts, probs, 2**40)
+    assert uploads == [counts]
+    uploads.clear()
+    _, _, n = swiglu_fc1_split(x, w1, counts, probs, 5 * 6 * x.element_size())
+    assert n == 3 and len(uploads) == 1 + n and uploads[0] == counts
+
+
 def test_expert_matmul_rejects_bad_input():
     x, w = torch.randn(10, 16), torch.randn(2, 8, 16)
     with pytest.raises(ValueError, match="tokens_per_expert"):

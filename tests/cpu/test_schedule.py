@@ -296,7 +296,7 @@ def test_host_path_variables(monkeypatch, name, value, expected):
                 check()
         return
     assert read() == expected
-    assert config.fused_path_settings()[name.lower()] == expected
+    assert config.fused_path_settings(1)[name.lower()] == expected
     config.check_environment()
 
 
