@@ -40,6 +40,7 @@ from megatron_overlap.megatron.grouped_experts import (
     restack_experts_,
     shared_offsets,
 )
+from megatron_overlap.profiling import span
 
 __all__ = [
     "BASELINES",
@@ -135,7 +136,8 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
             return super().forward(x, tokens_per_expert, permuted_probs)
         # the rows per expert and their device offsets once, for FC1 and FC2 alike
         counts = expert_counts(tokens_per_expert, len(self.local_experts), x.shape[0])
-        offsets = shared_offsets(counts, x)
+        with span("grouped_mm.offsets"):  # (as the flag-on FC1 times its upload)
+            offsets = shared_offsets(counts, x)
         h, fc1 = grouped_fc1_activation(self, x, counts, permuted_probs, offsets)
         w2, how = self.fc2_stack_cache.get(expert_weights(self, "linear_fc2"))
         y, impl = expert_matmul(h, w2, counts, offsets)
