@@ -117,6 +117,19 @@ def test_stacked_view_cache_hits_and_follows_moves():
         assert how1 == how2 == "view" and w2 is w1  # hit: the same view object
         params[2].data.fill_(7.0)  # in-place updates show through the view
         assert torch.equal(w2[2], torch.full((3, 5), 7.0))
+        # the same address with another shape or dtype (a view put in place): a miss each
+        w1_data = params[1].data
+        params[1].data = w1_data.view(5, 3)
+        with pytest.raises(ValueError):
+            cache.get(params)  # (the stack refuses the mixed shapes)
+        params[1].data = w1_data
+        assert cache.get(params)[1] == "view"
+        half = [torch.nn.Parameter(torch.randn(3, 5).bfloat16()) for _ in range(2)]
+        stack_parameters_(half)
+        assert cache.get(half)[1] == "view"
+        half[0].data = half[0].data.view(torch.float16)  # same address and shape
+        with pytest.raises(ValueError, match="float16"):
+            cache.get(half)  # a miss: the stack refuses the mixed dtypes
         params[1].data = params[1].data.clone()  # re-pointed: miss, then a copy
         w3, how3 = cache.get(params)
         assert how3 == "stack" and w3 is not w1
