@@ -419,7 +419,7 @@ def _measure(args, todo: dict, threads: int, stamp: str) -> int:
                          gpu=_gpu_name() if args.gpu else "cpu", timing_order="williams",
                          git_sha=git_sha(), resource_solver=implementation_name(),
                          seed=args.seed, intra_op_threads=threads, timestamp=stamp,
-                         **fused_path_settings(ep)))
+                         **fused_path_settings(ep, bool(args.gpu))))
     if args.out:
         from megatron_overlap.bench.measure import append_rows
 

@@ -797,7 +797,8 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
     if "on-alt" in ms:  # the settings its forwards ran with (info: the process's)
         with alt_environment(run.alt_env):
             alt_settings = {"fc1_chunk_bytes": fc1_chunk_bytes(),
-                            **fused_path_settings(info["tp"] * info["ep"]),
+                            **fused_path_settings(info["tp"] * info["ep"],
+                                                  info["backend"] == "triton" and cuda),
                             "resource_solver": implementation_name()}
     for name, times in ms.items():
         flag_on = name in ("on", "on-alt")
@@ -921,7 +922,8 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "fc1_chunk_bytes": fc1_chunk_bytes(),
                 # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
                 # host_tables, fast_launch, host_cache, host_splits
-                **fused_path_settings(tp * ep),
+                # (tma_store: the epilogue the flag-on GEMM2 runs; false off the GPU path)
+                **fused_path_settings(tp * ep, backend == "triton" and run.device == "cuda"),
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,

@@ -370,8 +370,6 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                   max_rel_err_variants=variant_errs,
                   max_rel_err_prereduced_mode=err_prereduced, auto_mode=plan.mode,
                   num_comm_ctas=plan.num_comm_ctas,
-                  # the GEMM2 epilogue of ours / ours_nocomm (the op's tile for this group)
-                  tma_store=epilogue_stores_tma(call_tile, hidden, h.element_size()),
                   gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
     # every rank's p50 -> the slowest rank is the op's time
     rows_out = []
@@ -379,8 +377,23 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         vals = torch.tensor([t["p20"], t["p50"], t["p80"]], device=device)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
         rows_out.append(dict(common, provider=provider, p20_ms=float(vals[0]),
-                             p50_ms=float(vals[1]), p80_ms=float(vals[2])))
+                             p50_ms=float(vals[1]), p80_ms=float(vals[2]),
+                             tma_store=provider_tma_store(provider, call_tile, hidden)))
     return rows_out
+
+
+def provider_tma_store(provider: str, call_tile, hidden: int):
+    """Whether a provider's GEMM2 epilogue stored through TMA (bf16 rows of `hidden`):
+    `ours*` (k forced included) the op's tile for the group (`call_tile`), `ours[<tile>]` /
+    `nocomm[<tile>]` that tile's; None for the providers without our GEMM2 (gemm, megatron,
+    prereduced, bound)."""
+    from megatron_overlap.ops.triton_gemm2_gatherrs import epilogue_stores_tma
+
+    if not provider.startswith(("ours", "nocomm[")):
+        return None
+    if "[" in provider and not provider.startswith("ours[k="):
+        call_tile = parse_tile(provider[provider.index("[") + 1:-1])[0]
+    return epilogue_stores_tma(call_tile, hidden, 2)
 
 
 def parse_tile(name: str):

@@ -1520,7 +1520,9 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "fc1_chunk_bytes": fc1_chunk_bytes(),
         # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
         # host_tables, fast_launch, host_cache, host_splits
-        **fused_path_settings(run.tp * run.ep),  # the MoE layers' TP x EP group
+        # the MoE layers' TP x EP group (tma_store: the epilogue the flag-on GEMM2 runs;
+        # false off the GPU path)
+        **fused_path_settings(run.tp * run.ep, backend == "triton" and run.device == "cuda"),
         "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
         "backend": backend,
         "reference": reference_used,

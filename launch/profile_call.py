@@ -66,7 +66,7 @@ def main() -> int:
                                .multi_processor_count,
                                hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
                                recv_rows=int(maps[rank].sum()),
-                               tma_store=epilogue_stores_tma(default_tile(device, world),
+                               tma_store=epilogue_stores_tma(default_tile(device, meta.group_size),
                                                              shape.hidden_size, 2))
     ws = get_workspace(group, hidden=shape.hidden_size, dtype=h.dtype, device=device)
 
@@ -121,7 +121,7 @@ def main() -> int:
         torch.cuda.synchronize()
         ws.check_errors(block=True)
     opts_plan = dict(num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
-                     tma_store=epilogue_stores_tma(default_tile(device, world), shape.hidden_size, 2),
+                     tma_store=epilogue_stores_tma(default_tile(device, meta.group_size), shape.hidden_size, 2),
                      hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
                      recv_rows=int(maps[rank].sum()))
     prims = {

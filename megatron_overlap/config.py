@@ -86,12 +86,17 @@ def check_environment() -> None:
     fc1_chunk_bytes()
 
 
-def fused_path_settings(world_size: int) -> dict:
+def fused_path_settings(world_size: int, triton_gpu: bool = True) -> dict:
     """The effective values of the fused path's per-call variables for calls over
     `world_size` ranks (the TP x EP group), as the benchmarks' rows record them:
-    {"tma_store": bool, "tile_list": "device" | "host", "host_tables": "fused" | "steps",
-    "fast_launch": "0" | "1" | "direct", "host_cache": bool, "host_splits": bool} (unset
-    and empty read as the defaults; `tma_store`'s default depends on `world_size`).
+    {"tma_store": bool, "tma_store_env": "" | "0" | "1", "tile_list": "device" | "host",
+    "host_tables": "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache":
+    bool, "host_splits": bool} (unset and empty read as the defaults).
+
+    `tma_store` is the epilogue the GEMM2 kernel's default tile runs for this group size
+    (`tma_store_enabled(world_size)`), and false where `triton_gpu` is false (the caller's
+    flag-on path runs no GPU kernel: the CPU, the reference backend); `tma_store_env` is the
+    variable as set ("" unset), the same in every layout of a run.
 
     Raises:
         ValueError: a bad value (as `check_environment`); TypeError / ValueError: a bad
@@ -99,7 +104,9 @@ def fused_path_settings(world_size: int) -> dict:
     """
     from megatron_overlap.kernels.launch import fast_launch_mode
 
-    return {"tma_store": tma_store_enabled(world_size), "tile_list": tile_list_source(),
+    tma = tma_store_enabled(world_size)  # (checks the variable and world_size everywhere)
+    return {"tma_store": bool(triton_gpu) and tma, "tma_store_env": getenv(TMA_STORE_ENV, ""),
+            "tile_list": tile_list_source(),
             "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode(),
             "host_cache": host_cache_enabled(), "host_splits": host_splits_enabled()}
 
@@ -196,8 +203,10 @@ TMA_STORE_DEFAULT_MAX_WORLD = 1
 """Where $MEGATRON_OVERLAP_TMA_STORE is unset, the GEMM2 epilogue stores through TMA
 descriptors for process groups of at most this many ranks, from registers for larger ones.
 World 1 (every tile local): run on an H200 bit for bit equal to the register epilogue, the
-producer 3-22 % faster (docs/perf_notes.md v5.3, v5.9). World > 1: its stores into a peer
-GPU's buffer over NVLink have run only emulated on one GPU (v5.6), not yet on two."""
+producer 8-22 % faster on the fine-grained shapes, 2-5 % on Mixtral and Phi
+(docs/perf_notes.md v5.3), the layer 1-5 % at 16384 tokens (v5.9). World > 1: its stores
+into a peer GPU's buffer over NVLink have run only emulated on one GPU (v5.6), not yet on
+two."""
 
 
 def tma_store_enabled(world_size: int) -> bool:

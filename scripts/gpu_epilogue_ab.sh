@@ -15,12 +15,14 @@
 #
 #   tests     tests/gpu/test_triton_gpu.py's reference tests, world 2 then world 1 (each
 #             case against the reference, and the TMA-store epilogue with and without
-#             rotated waves bit for bit equal to the default tile); log $OUT/gpu_tests.log
+#             rotated waves bit for bit equal to the register-store tile); log
+#             $OUT/gpu_tests.log
 #   protocol  with MEGATRON_OVERLAP_TMA_STORE=1: back-to-back calls with a late finalize
 #             (both modes), the timeout diagnosis, flag on vs flag off (world 2 and 1);
 #             log $OUT/gpu_protocol.log
 #   op     launch/bench_op.py, 5 models x 4096 / 16384 tokens per rank x EP / TP (EP only on
-#          one GPU), the default tile and the three variants side by side in one run
+#          one GPU), the default tile (TMA at world 1, registers at world 2), the register
+#          tile and the three other variants side by side in one run
 #          (rows ours[<tile>] and nocomm[<tile>]); rows $OUT/bench_op_epilogue.jsonl
 #   layer  launch/bench_layer.py, Qwen3-30B-A3B and DeepSeek-V2-Lite at 32768 tokens, EP2
 #          and TP2 (EP1 on one GPU), two rounds (processes, each cut at its share of 560 s),

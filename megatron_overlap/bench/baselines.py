@@ -135,7 +135,8 @@ class GroupedGEMMSequentialMLP(SequentialMLP):
             self.last_impl = f"SequentialMLP loop: {reason}"
             return super().forward(x, tokens_per_expert, permuted_probs)
         # the rows per expert and their device offsets once, for FC1 and FC2 alike
-        counts = expert_counts(tokens_per_expert, len(self.local_experts), x.shape[0])
+        with span("fc1.counts"):  # (the counts' host read, as in the flag-on FC1's span)
+            counts = expert_counts(tokens_per_expert, len(self.local_experts), x.shape[0])
         with span("grouped_mm.offsets"):  # (as the flag-on FC1 times its upload)
             offsets = shared_offsets(counts, x)
         h, fc1 = grouped_fc1_activation(self, x, counts, permuted_probs, offsets)

@@ -56,9 +56,11 @@ Common fields:
   chunk of [rows, F] of the split SwiGLU's linear half, and from 55b2e2f on every path;
   absent in rows from before 7055ab9), resource_solver (the resource manager's solver
   in that process, "cpp" | "python", `resource.solver.implementation_name`; absent
-  before v4.9's eed19ee), tma_store (the run's `MEGATRON_OVERLAP_TMA_STORE`, in every
-  row of the run: the GEMM2 epilogue's stores through TMA descriptors, which act only
-  where the flag-on variant runs the Triton backend; absent before v5.2), tile_list /
+  before v4.9's eed19ee), tma_store (from v5.9: whether the flag-on GEMM2's default tile
+  stores through TMA descriptors for the row's TP x EP group, false where the flag-on
+  variant runs no GPU kernel; v5.2-v5.8: the run's `MEGATRON_OVERLAP_TMA_STORE`, in every
+  row of the run; absent before v5.2), tma_store_env (from v5.9: the run's
+  `MEGATRON_OVERLAP_TMA_STORE` as set, "" unset), tile_list /
   host_tables / fast_launch (the run's `MEGATRON_OVERLAP_TILE_LIST` / `_HOST_TABLES` /
   `_FAST_LAUNCH`, effective values; absent before v5.4), host_cache (the run's
   `MEGATRON_OVERLAP_HOST_CACHE`, effective: bool; absent before v5.5), host_splits (the
@@ -644,7 +646,18 @@ SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_
                   "tma_store", "tile_list", "host_tables", "fast_launch", "host_cache",
                   "host_splits", "timing_order")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
-in older rows: shown as "-")."""
+in older rows: shown as "-"). "tma_store" shows the variable as the run set it
+(`tma_store_env`: "unset", "0", "1"; rows from before v5.9 have only `tma_store`, which
+then was that variable's value): the epilogue itself (`tma_store`) depends on the layout's
+group size since v5.9, so it would split one run's rows."""
+
+
+def _setting(row: dict, field: str) -> str:
+    """A row's `SETTING_FIELDS` value as the settings table shows it."""
+    if field == "tma_store" and "tma_store_env" in row:
+        return row["tma_store_env"] or "unset"
+    value = row.get(field)
+    return "-" if value is None else str(value).lower()
 
 
 def settings_section(rows: list[dict]) -> str:
@@ -654,9 +667,8 @@ def settings_section(rows: list[dict]) -> str:
     design, in no table) are left out and counted below the table."""
     alt = sum(1 for row in rows if row.get("variant") == "on-alt")
     rows = [row for row in rows if row.get("variant") != "on-alt"]
-    combos = Counter((row["benchmark"],) + tuple(
-        "-" if row.get(f) is None else str(row.get(f)).lower() for f in SETTING_FIELDS)
-        for row in rows)
+    combos = Counter((row["benchmark"],) + tuple(_setting(row, f) for f in SETTING_FIELDS)
+                     for row in rows)
     lines = [list(key) + [str(n)] for key, n in sorted(combos.items())]
     text = _table(["benchmark", *SETTING_FIELDS, "rows"], lines)
     if alt:

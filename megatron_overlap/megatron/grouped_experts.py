@@ -538,6 +538,7 @@ def autograd_reason(experts: torch.nn.Module, x: torch.Tensor | None = None) -> 
 _DATA_PTR = torch.Tensor.data_ptr
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
+_STRIDE = torch.Tensor.stride
 
 
 class StackedViewCache:
@@ -546,7 +547,9 @@ class StackedViewCache:
 
     The stacking check (`stacked_view`) looks at every tensor's storage (~5 us each: 0.3 ms
     for 64 experts, on the host, every forward). A hit needs each tensor's `data_ptr()`,
-    shape and dtype unchanged. That is sound: the remembered view keeps the old storage
+    shape, strides and dtype unchanged (a view of other strides, shape or dtype put in
+    place at the same address, e.g. `p.data = p.data.t()`, misses). That is sound: the
+    remembered view keeps the old storage
     alive, so a re-pointed tensor cannot reappear at its old address. Only views are
     remembered ("stack" copies are redone each call); `clear()` drops the view (and the
     storage it keeps alive), e.g. after the parameters were re-homed.
@@ -564,9 +567,10 @@ class StackedViewCache:
         if _autograd_recording(tensors):
             self.clear()
             return stacked_weights(tensors)
-        # each tensor's address, shape and dtype (as three tuples: fewer objects per forward)
+        # each tensor's address, shape, strides and dtype (as four tuples: fewer objects
+        # per forward than a tuple per tensor)
         key = (tuple(map(_DATA_PTR, tensors)), tuple(map(_SHAPE, tensors)),
-               tuple(map(_DTYPE, tensors)))
+               tuple(map(_STRIDE, tensors)), tuple(map(_DTYPE, tensors)))
         if key == self._key and self._view is not None:
             return self._view, "view"
         stack, how = stacked_weights(tensors)
@@ -764,7 +768,8 @@ def grouped_fc1_activation(
     chunks, whole = _whole(row_chunks(counts, width * x.element_size(), fc1_chunk_bytes()),
                            counts)
     if whole and offsets is None:
-        offsets = shared_offsets(counts, x)
+        with span("grouped_mm.offsets"):
+            offsets = shared_offsets(counts, x)
     outs, impl = [], "none (no rows)"
     for row0, row1, first, end, chunk_counts in chunks:
         fc1, impl = expert_matmul(x[row0:row1], w1[first:end], chunk_counts,

@@ -124,6 +124,12 @@ def test_stacked_view_cache_hits_and_follows_moves():
             cache.get(params)  # (the stack refuses the mixed shapes)
         params[1].data = w1_data
         assert cache.get(params)[1] == "view"
+        square = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+        stack_parameters_(square)
+        assert cache.get(square)[1] == "view"
+        square[1].data = square[1].data.t()  # same address, shape and dtype; other strides
+        w_t, how_t = cache.get(square)
+        assert how_t == "stack" and torch.equal(w_t[1], square[1].detach())
         half = [torch.nn.Parameter(torch.randn(3, 5).bfloat16()) for _ in range(2)]
         stack_parameters_(half)
         assert cache.get(half)[1] == "view"

@@ -327,6 +327,16 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
     balanced = [dict(r, timing_order="williams") for r in ab]
     assert "predate" not in mr.settings_section(balanced)
     assert "| layer | - | - | - | - | false | - | - | - | - | - | - | 2 |" in text, text
+    # v5.9 rows: the variable as set, not the epilogue (which depends on the layout's group
+    # size): one run over EP1 and EP2 is one setting
+    mixed = [_row("layer", "qwen3-30b-a3b", layout, 4096, v, 1.0, tma_store=layout.startswith(
+        "tp1/ep1"), tma_store_env="") for layout in ("tp1/ep1/dp2/sp0", "tp1/ep2/dp2/sp0")
+        for v in ("on", "off")]
+    text = mr.settings_section(mixed)
+    assert "Warning" not in text, text
+    assert "| layer | - | - | - | - | unset | - | - | - | - | - | - | 4 |" in text, text
+    mixed[0]["tma_store_env"] = "1"
+    assert "**Warning:** the layer rows mix settings" in mr.settings_section(mixed)
 
 
 def _breakdown_rows():

@@ -253,6 +253,16 @@ def test_bench_op_tile_variant_names():
                 "128x256", "128x256x64w0s0", "128x256x64w3s3", "8192x8192x64w8s3"):
         with pytest.raises(ValueError, match=f"tile variant {bad!r}"):
             module.parse_tile(bad)
+    # each row's tma_store: the epilogue its provider ran (None: no GEMM2 of ours)
+    tma, regs = TileConfig(tma_store=True), TileConfig()
+    tma_of = module.provider_tma_store
+    for provider in ("ours", "ours_nocomm", "ours_prepared", "ours[k=8]"):
+        assert tma_of(provider, tma, 2048) is True and tma_of(provider, regs, 2048) is False
+    assert tma_of("ours[128x256x64w8s3]", tma, 2048) is False  # the variant's own tile
+    assert tma_of("nocomm[128x256x64w8s3tma]", regs, 2048) is True
+    assert tma_of("ours", tma, 1004) is False  # 2008-byte rows: the register fallback
+    for provider in ("gemm", "megatron", "prereduced", "bound"):
+        assert tma_of(provider, tma, 2048) is None
 
 
 def test_trace_summary_skips_non_events_and_names_bad_times(tmp_path):

@@ -225,7 +225,10 @@ def test_tma_store_variable_picks_the_gpu_default_tile(monkeypatch, value, expec
         tile = op.default_tile(torch.device("cuda"), world)
         assert tile.tma_store is want
         assert tile == (op.DEFAULT_TMA_TILE if want else op.DEFAULT_TILE)
-        assert config.fused_path_settings(world)["tma_store"] is want
+        settings = config.fused_path_settings(world)
+        assert settings["tma_store"] is want and settings["tma_store_env"] == value
+        # where no GPU kernel runs (the CPU, the reference backend) no TMA epilogue ran
+        assert config.fused_path_settings(world, triton_gpu=False)["tma_store"] is False
         assert op.default_tile(torch.device("cpu"), world) == op.INTERPRETER_TILE
 
 
