@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--alt-env", default="", metavar="VAR=VALUE", action=_Once,
                         help="also time the flag-on layer with $VAR set to VALUE (one of "
                              "the fused path's MEGATRON_OVERLAP_* variables, read per call, "
-                             "e.g. MEGATRON_OVERLAP_TMA_STORE=0 at world 1), as variant 'on-alt': the "
-                             "same layer object, its forwards interleaved with 'on''s in one "
+                             "e.g. MEGATRON_OVERLAP_TMA_STORE=0 at world 1), as variant "
+                             "'on-alt': the same layer object, its forwards interleaved with "
+                             "'on''s in one "
                              "process, so that the process's host speed is common to both "
                              "(rows 'on-alt' with alt_env and their own settings; the "
                              "report's speedups and targets leave them out). Not with "

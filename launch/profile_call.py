@@ -61,13 +61,13 @@ def main() -> int:
                      device=device).to(torch.bfloat16)
     group = dist.group.WORLD if world > 1 else None
     opts = GatherRSOptions(backend="triton", prereduce=False)  # _Call below: direct mode
+    call_tile = default_tile(device, meta.group_size)  # the op's tile for this group
     plan = plan_gemm2_gatherrs(meta, opts,
                                num_sms=torch.cuda.get_device_properties(device)
                                .multi_processor_count,
                                hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
                                recv_rows=int(maps[rank].sum()),
-                               tma_store=epilogue_stores_tma(default_tile(device, meta.group_size),
-                                                             shape.hidden_size, 2))
+                               tma_store=epilogue_stores_tma(call_tile, shape.hidden_size, 2))
     ws = get_workspace(group, hidden=shape.hidden_size, dtype=h.dtype, device=device)
 
     stages = {"prepare": [], "(unused)": [], "gemm launch": [], "finalize launch": [],
@@ -121,7 +121,7 @@ def main() -> int:
         torch.cuda.synchronize()
         ws.check_errors(block=True)
     opts_plan = dict(num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
-                     tma_store=epilogue_stores_tma(default_tile(device, meta.group_size), shape.hidden_size, 2),
+                     tma_store=epilogue_stores_tma(call_tile, shape.hidden_size, 2),
                      hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
                      recv_rows=int(maps[rank].sum()))
     prims = {

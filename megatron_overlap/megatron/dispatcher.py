@@ -493,7 +493,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             epilogue_stores_tma,
         )
 
-        tile = default_tile(h_like.device, self.metadata.group_size)  # the call's, for its plan and its preparation
+        # the call's tile (for its TP x EP group), for its plan and its preparation
+        tile = default_tile(h_like.device, self.metadata.group_size)
         with span("mo.plan"):
             self.plan = plan_gemm2_gatherrs(
                 self.metadata, self.options if self._triton else self._direct_options,
