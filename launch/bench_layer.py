@@ -285,6 +285,10 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of a `--dtype` (the GEMM2 output rows' size for the rows' `tma_store`)."""
+
+
 def parse_alt_env(text: str, group_sizes: tuple[int, ...] = (1,)) -> tuple[str, str] | None:
     """`--alt-env VAR=VALUE` -> (VAR, VALUE); "" -> None.
 
@@ -323,12 +327,28 @@ def parse_alt_env(text: str, group_sizes: tuple[int, ...] = (1,)) -> tuple[str, 
     except (ValueError, ImportError):
         current = None  # (the launch's own check reports the current value)
     if alt == current:
-        shown = (f"the hardware profile {current.name!r}"
-                 if hasattr(current, "link_bandwidth_gbps") else repr(current))
+        if hasattr(current, "link_bandwidth_gbps"):
+            shown = f"the hardware profile {current.name!r}"
+        elif isinstance(current, tuple):  # a per-group-size setting (the GPU's epilogue)
+            shown = "; ".join(f"{_name(var)} on the GPU at TP x EP group size {g}: {v!r}"
+                              for g, v in zip(group_sizes, current))
+        else:
+            shown = repr(current)
         raise ValueError(f"--alt-env {text!r}: {var}={value!r} means what the current "
                          f"setting means ({shown}), so 'on-alt' would run what 'on' "
                          "runs; give another value")
+    if (isinstance(current, tuple) and any(a == c for a, c in zip(alt, current))
+            and int(os.environ.get("RANK", "0")) == 0):
+        same = [g for g, a, c in zip(group_sizes, alt, current) if a == c]
+        print(f"bench_layer: note: --alt-env {text!r}: at TP x EP group size "
+              f"{', '.join(map(str, same))} it means what the current setting means, so "
+              "those layouts' 'on-alt' rows repeat 'on'", file=sys.stderr)
     return var, value
+
+
+def _name(var: str) -> str:
+    """The `fused_path_settings` key of a MEGATRON_OVERLAP_* variable."""
+    return var[len("MEGATRON_OVERLAP_"):].lower()
 
 
 def _effective_setting(var: str, group_sizes: tuple[int, ...] = (1,)):
@@ -799,7 +819,8 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
         with alt_environment(run.alt_env):
             alt_settings = {"fc1_chunk_bytes": fc1_chunk_bytes(),
                             **fused_path_settings(info["tp"] * info["ep"],
-                                                  info["backend"] == "triton" and cuda),
+                                                  info["backend"] == "triton" and cuda,
+                                                  info["hidden_size"] * _ELEM[run.dtype]),
                             "resource_solver": implementation_name()}
     for name, times in ms.items():
         flag_on = name in ("on", "on-alt")
@@ -924,7 +945,8 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
                 # host_tables, fast_launch, host_cache, host_splits
                 # (tma_store: the epilogue the flag-on GEMM2 runs; false off the GPU path)
-                **fused_path_settings(tp * ep, backend == "triton" and run.device == "cuda"),
+                **fused_path_settings(tp * ep, backend == "triton" and run.device == "cuda",
+                                      shape.hidden_size * _ELEM[run.dtype]),
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,

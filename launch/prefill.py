@@ -1522,7 +1522,8 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         # host_tables, fast_launch, host_cache, host_splits
         # the MoE layers' TP x EP group (tma_store: the epilogue the flag-on GEMM2 runs;
         # false off the GPU path)
-        **fused_path_settings(run.tp * run.ep, backend == "triton" and run.device == "cuda"),
+        **fused_path_settings(run.tp * run.ep, backend == "triton" and run.device == "cuda",
+                              shape.hidden_size * (4 if run.dtype == "fp32" else 2)),
         "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
         "backend": backend,
         "reference": reference_used,

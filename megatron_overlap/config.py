@@ -86,7 +86,8 @@ def check_environment() -> None:
     fc1_chunk_bytes()
 
 
-def fused_path_settings(world_size: int, triton_gpu: bool = True) -> dict:
+def fused_path_settings(world_size: int, triton_gpu: bool = True,
+                        row_bytes: int | None = None) -> dict:
     """The effective values of the fused path's per-call variables for calls over
     `world_size` ranks (the TP x EP group), as the benchmarks' rows record them:
     {"tma_store": bool, "tma_store_env": "" | "0" | "1", "tile_list": "device" | "host",
@@ -95,8 +96,10 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True) -> dict:
 
     `tma_store` is the epilogue the GEMM2 kernel's default tile runs for this group size
     (`tma_store_enabled(world_size)`), and false where `triton_gpu` is false (the caller's
-    flag-on path runs no GPU kernel: the CPU, the reference backend); `tma_store_env` is the
-    variable as set ("" unset), the same in every layout of a run.
+    flag-on path runs no GPU kernel: the CPU, the reference backend) or where `row_bytes`
+    (the output rows' bytes, H x element size, if given) is not a multiple of 16 (the
+    register fallback of `ops.triton_gemm2_gatherrs.epilogue_stores_tma`); `tma_store_env`
+    is the variable as set ("" unset), the same in every layout of a run.
 
     Raises:
         ValueError: a bad value (as `check_environment`); TypeError / ValueError: a bad
@@ -105,7 +108,9 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True) -> dict:
     from megatron_overlap.kernels.launch import fast_launch_mode
 
     tma = tma_store_enabled(world_size)  # (checks the variable and world_size everywhere)
-    return {"tma_store": bool(triton_gpu) and tma, "tma_store_env": getenv(TMA_STORE_ENV, ""),
+    aligned = row_bytes is None or row_bytes % 16 == 0
+    return {"tma_store": bool(triton_gpu) and aligned and tma,
+            "tma_store_env": getenv(TMA_STORE_ENV, ""),
             "tile_list": tile_list_source(),
             "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode(),
             "host_cache": host_cache_enabled(), "host_splits": host_splits_enabled()}
@@ -203,8 +208,9 @@ TMA_STORE_DEFAULT_MAX_WORLD = 1
 """Where $MEGATRON_OVERLAP_TMA_STORE is unset, the GEMM2 epilogue stores through TMA
 descriptors for process groups of at most this many ranks, from registers for larger ones.
 World 1 (every tile local): run on an H200 bit for bit equal to the register epilogue, the
-producer 8-22 % faster on the fine-grained shapes, 2-5 % on Mixtral and Phi
-(docs/perf_notes.md v5.3), the layer 1-5 % at 16384 tokens (v5.9). World > 1: its stores
+producer 8-22 % less time on the fine-grained shapes, 2-5 % on Mixtral and Phi
+(docs/perf_notes.md v5.3; v5.9's draw: Mixtral 4096 2 % more), the fine-grained models'
+layer 1-5 % less at 16384 tokens (v5.9). World > 1: its stores
 into a peer GPU's buffer over NVLink have run only emulated on one GPU (v5.6), not yet on
 two."""
 

@@ -362,6 +362,22 @@ def test_alt_env_tma_store_compared_in_every_layout(value, group_sizes, monkeypa
     assert module.parse_alt_env(value, group_sizes) == (var, want)
 
 
+def test_alt_env_notes_the_layouts_where_it_changes_nothing(monkeypatch, capsys):
+    """Over layouts of group size 1 and 2, MEGATRON_OVERLAP_TMA_STORE=0 changes the epilogue
+    at group size 1 only: taken, with a note naming group size 2; a refusal names the
+    group size and the GPU's current epilogue there."""
+    module = _module()
+    monkeypatch.delenv("MEGATRON_OVERLAP_TMA_STORE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    module.parse_alt_env("MEGATRON_OVERLAP_TMA_STORE=0", (1, 2))
+    assert "at TP x EP group size 2 it means what the current setting means" in (
+        capsys.readouterr().err)
+    module.parse_alt_env("MEGATRON_OVERLAP_TMA_STORE=0", (1,))
+    assert "note" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tma_store on the GPU at TP x EP group size 1: True"):
+        module.parse_alt_env("MEGATRON_OVERLAP_TMA_STORE=1", (1,))
+
+
 def test_alt_env_once(capsys):
     module = _module()
     with pytest.raises(SystemExit):

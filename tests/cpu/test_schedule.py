@@ -227,8 +227,11 @@ def test_tma_store_variable_picks_the_gpu_default_tile(monkeypatch, value, expec
         assert tile == (op.DEFAULT_TMA_TILE if want else op.DEFAULT_TILE)
         settings = config.fused_path_settings(world)
         assert settings["tma_store"] is want and settings["tma_store_env"] == value
-        # where no GPU kernel runs (the CPU, the reference backend) no TMA epilogue ran
+        # where no GPU kernel runs (the CPU, the reference backend) no TMA epilogue ran,
+        # nor for rows of a size TMA cannot store (the register fallback)
         assert config.fused_path_settings(world, triton_gpu=False)["tma_store"] is False
+        assert config.fused_path_settings(world, row_bytes=2008)["tma_store"] is False
+        assert config.fused_path_settings(world, row_bytes=4096)["tma_store"] is want
         assert op.default_tile(torch.device("cpu"), world) == op.INTERPRETER_TILE
 
 
