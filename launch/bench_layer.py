@@ -285,10 +285,6 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes per element of a `--dtype` (the GEMM2 output rows' size for the rows' `tma_store`)."""
-
-
 def parse_alt_env(text: str, group_sizes: tuple[int, ...] = (1,)) -> tuple[str, str] | None:
     """`--alt-env VAR=VALUE` -> (VAR, VALUE); "" -> None.
 
@@ -346,6 +342,12 @@ def parse_alt_env(text: str, group_sizes: tuple[int, ...] = (1,)) -> tuple[str, 
     return var, value
 
 
+def _elem_bytes(run: RunConfig) -> int:
+    """Bytes per element of the run's `--dtype` (the rows' `tma_store`: the GEMM2 output
+    rows' size)."""
+    return (torch.bfloat16 if run.dtype == "bf16" else torch.float32).itemsize
+
+
 def _name(var: str) -> str:
     """The `fused_path_settings` key of a MEGATRON_OVERLAP_* variable."""
     return var[len("MEGATRON_OVERLAP_"):].lower()
@@ -357,7 +359,7 @@ def _effective_setting(var: str, group_sizes: tuple[int, ...] = (1,)):
     values with the same effect compare equal (e.g. unset and the default)."""
     from megatron_overlap.resource.profile import load_profile
 
-    name = var[len("MEGATRON_OVERLAP_"):].lower()
+    name = _name(var)
     settings = [fused_path_settings(size) for size in group_sizes]
     if name in settings[0]:
         return tuple(s[name] for s in settings)
@@ -820,7 +822,7 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             alt_settings = {"fc1_chunk_bytes": fc1_chunk_bytes(),
                             **fused_path_settings(info["tp"] * info["ep"],
                                                   info["backend"] == "triton" and cuda,
-                                                  info["hidden_size"] * _ELEM[run.dtype]),
+                                                  info["hidden_size"] * _elem_bytes(run)),
                             "resource_solver": implementation_name()}
     for name, times in ms.items():
         flag_on = name in ("on", "on-alt")
@@ -946,7 +948,7 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 # host_tables, fast_launch, host_cache, host_splits
                 # (tma_store: the epilogue the flag-on GEMM2 runs; false off the GPU path)
                 **fused_path_settings(tp * ep, backend == "triton" and run.device == "cuda",
-                                      shape.hidden_size * _ELEM[run.dtype]),
+                                      shape.hidden_size * _elem_bytes(run)),
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
                 "variants": list(layers), "skipped_baselines": skipped,
                 "warmup": run.warmup, "iters": run.iters, "seed": run.seed, "l2_flush": True,

@@ -1500,6 +1500,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         reference = build_reference(shape, run, models["off"], device)
     with torch.inference_mode():
         errors = {seq: check_seq(models, reference, run, inputs[seq]) for seq in run.seq_lengths}
+    elem_bytes = (torch.bfloat16 if run.dtype == "bf16" else torch.float32).itemsize
     info = {
         "model": shape.name,
         "num_layers": num_layers,
@@ -1523,7 +1524,7 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         # the MoE layers' TP x EP group (tma_store: the epilogue the flag-on GEMM2 runs;
         # false off the GPU path)
         **fused_path_settings(run.tp * run.ep, backend == "triton" and run.device == "cuda",
-                              shape.hidden_size * (4 if run.dtype == "fp32" else 2)),
+                              shape.hidden_size * elem_bytes),
         "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"
         "backend": backend,
         "reference": reference_used,

@@ -97,7 +97,7 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
     `tma_store` is the epilogue the GEMM2 kernel's default tile runs for this group size
     (`tma_store_enabled(world_size)`), and false where `triton_gpu` is false (the caller's
     flag-on path runs no GPU kernel: the CPU, the reference backend) or where `row_bytes`
-    (the output rows' bytes, H x element size, if given) is not a multiple of 16 (the
+    (the output rows' bytes, H x element size, if given) fails `tma_rows_aligned` (the
     register fallback of `ops.triton_gemm2_gatherrs.epilogue_stores_tma`); `tma_store_env`
     is the variable as set ("" unset), the same in every layout of a run.
 
@@ -108,7 +108,7 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
     from megatron_overlap.kernels.launch import fast_launch_mode
 
     tma = tma_store_enabled(world_size)  # (checks the variable and world_size everywhere)
-    aligned = row_bytes is None or row_bytes % 16 == 0
+    aligned = row_bytes is None or tma_rows_aligned(row_bytes)
     return {"tma_store": bool(triton_gpu) and aligned and tma,
             "tma_store_env": getenv(TMA_STORE_ENV, ""),
             "tile_list": tile_list_source(),
@@ -213,6 +213,13 @@ producer 8-22 % less time on the fine-grained shapes, 2-5 % on Mixtral and Phi
 layer 1-5 % less at 16384 tokens (v5.9). World > 1: its stores
 into a peer GPU's buffer over NVLink have run only emulated on one GPU (v5.6), not yet on
 two."""
+
+
+def tma_rows_aligned(row_bytes: int) -> bool:
+    """Whether output rows of `row_bytes` bytes (H x element size) can be stored through a
+    TMA descriptor, whose row stride must be a multiple of 16 bytes; elsewhere the
+    TMA-store tile stores from registers."""
+    return row_bytes % 16 == 0
 
 
 def tma_store_enabled(world_size: int) -> bool:

@@ -51,7 +51,7 @@ import triton
 
 from megatron_overlap._host import current_stream, own_launch, triton_scratch
 from megatron_overlap.config import TILE_LIST_ENV, tile_list_source  # noqa: F401 (re-export)
-from megatron_overlap.config import host_tables_mode, tma_store_enabled
+from megatron_overlap.config import host_tables_mode, tma_rows_aligned, tma_store_enabled
 from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.kernels.launch import FastLauncher
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
@@ -155,7 +155,7 @@ def epilogue_stores_tma(tile: TileConfig, hidden: int, elem_bytes: int) -> bool:
     `tile.tma_store`, and rows of `hidden` elements of `elem_bytes` bytes a multiple of 16
     bytes (a TMA descriptor's row stride); else it stores from registers. The planner
     takes the matching tile time (`plan_gemm2_gatherrs(..., tma_store=...)`)."""
-    return tile.tma_store and hidden * elem_bytes % 16 == 0
+    return tile.tma_store and tma_rows_aligned(hidden * elem_bytes)
 
 
 def _cdiv(a: int, b: int) -> int:
