@@ -11,6 +11,10 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
   prereduced    (b) non-overlapped, pre-reduced: grouped GEMM, local top-k gather, the
                 collective on the reduced rows, finalize (`reference.gatherrs_reference`)
   ours_nocomm   (d) our fused kernel with its GEMM2 tiles only (communication off)
+  gemm_paired   the grouped GEMM again, its runs interleaved with ours_nocomm's (and every
+                --variants tile's nocomm[...]): the producer efficiency is
+                gemm_paired / ours_nocomm (from v6.0; before, gemm / ours_nocomm, timed
+                apart)
   ours          the fused Triton op as `gemm2_gatherrs` runs it, host work included (tables,
                 copies, launches); op-level "auto" without routing maps runs direct
   ours_prepared the op as the Megatron layer runs it: host work done beforehand (it
@@ -29,7 +33,7 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
   bound         (c) max(gemm, remote pre-reduced bytes / measured peer bandwidth)
 Every provider but "ours" is timed with --queue-ms of GPU sleep before its start event, so
 its time is GPU work (the host's enqueue hidden, as in a model whose host runs ahead).
-Ratios printed: (a)/ours, (b)/ours, ours/bound, gemm/ours_nocomm (producer efficiency),
+Ratios printed: (a)/ours, (b)/ours, ours/bound, gemm_paired/ours_nocomm (producer efficiency),
 and the same over ours_auto.
 Every rank runs the same workload list; rank 0 prints and writes. Routing: "uniform" (default)
 or "skewed" (see megatron_overlap.bench.workloads), fixed seed.
@@ -69,6 +73,7 @@ from megatron_overlap.models import load_model_shape
 from megatron_overlap.ops import gemm2_gatherrs
 from megatron_overlap.ops.gemm2_gatherrs import gather_routing_maps
 from megatron_overlap.reference import gatherrs_reference
+from megatron_overlap.resource.profile import load_profile
 
 MODELS = ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "phi-3.5-moe", "qwen3-30b-a3b",
           "deepseek-v2-lite")
@@ -131,6 +136,34 @@ def timed(fn, warmup: int, iters: int, queue_ms: float = 0.0):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return _quantiles(times)
+
+
+def timed_interleaved(fns, warmup: int, iters: int, queue_ms: float = 0.0):
+    """`timed` for several functions at once, their runs interleaved as in
+    `timed_prepared_interleaved` (round r runs every function once, starting at a different
+    one each round), so that a drift of the machine (clocks under power or heat, a
+    neighbour's load) over the minute a workload takes hits all of them alike. Returns one
+    p20/p50/p80 dict per entry of `fns`. The producer-efficiency pair (the grouped GEMM and
+    our GEMM2 tiles) is timed this way from v6.0: timed apart, half a minute of other
+    providers between them, Mixtral's producer came out slower than the whole call whose
+    part it is (docs/perf_notes.md v5.9, v6.0)."""
+    times = [[] for _ in fns]
+    n = len(fns)
+    for r in range(warmup + iters):
+        for j in range(n):
+            i = (r + j) % n
+            dist.barrier()
+            torch.cuda.synchronize()
+            _queue_gpu(queue_ms)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[i]()
+            end.record()
+            end.synchronize()
+            if r >= warmup:
+                times[i].append(start.elapsed_time(end))
+    return [_quantiles(t) for t in times]
 
 
 def timed_prepared(prepare, h, w2, args):
@@ -338,20 +371,25 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         results["ours_e2e"], results["ours_prereduced_e2e"] = timed_prepared_interleaved(
             [prepare, lambda: prepare_prereduced(gather=True)], h, w2, args,
             prepare_timed=True)
-        results["ours_nocomm"] = timed(call.gemm_only, args.warmup, args.iters, args.queue_ms)
+        # the producer's efficiency: the grouped GEMM again ("gemm_paired") and our GEMM2
+        # tiles alone, each variant's too, timed in the same interleaved rounds below
+        producers = [("gemm_paired", lambda: grouped_gemm(h, w2, rows_per_expert, offs)),
+                     ("ours_nocomm", call.gemm_only)]
         variant_errs = {}
         # other tile configurations / schedules, same inputs and the same plan (grid and k of
         # the default tile's epilogue): an A/B of the tiles at equal k
         for name in args.variants:
             tile, per_sm = parse_tile(name)
             v_plan = dataclasses.replace(plan, num_ctas=per_sm * num_sms, source="forced")
-            call = one_call(tile, v_plan)  # compiles; its result is checked
-            variant_errs[name] = float((call.out.float() - ref.float()).abs().max()
+            v_call = one_call(tile, v_plan)  # compiles; its result is checked
+            variant_errs[name] = float((v_call.out.float() - ref.float()).abs().max()
                                        / ref.float().abs().max())
             results[f"ours[{name}]"] = timed_prepared(lambda: prepare(tile, v_plan), h, w2,
                                                       args)
-            results[f"nocomm[{name}]"] = timed(call.gemm_only, args.warmup, args.iters,
-                                               args.queue_ms)
+            producers.append((f"nocomm[{name}]", v_call.gemm_only))
+        for (key, _), t in zip(producers, timed_interleaved(
+                [fn for _, fn in producers], args.warmup, args.iters, args.queue_ms)):
+            results[key] = t
         for kc in args.comm_ctas:  # the SM partition forced
             forced = dataclasses.replace(plan, num_comm_ctas=kc, source="forced")
             results[f"ours[k={kc}]"] = timed_prepared(lambda: prepare(call_plan=forced), h,
@@ -484,6 +522,7 @@ def main() -> int:
     rows = []
     info = dict(gpu=torch.cuda.get_device_name(device), world=dist.get_world_size(),
                 peer_bandwidth_gbps=bandwidth, git_sha=git_sha(),
+                hw_profile=load_profile().name,
                 timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 torch=torch.__version__)
     if dist.get_rank() == 0:

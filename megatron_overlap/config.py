@@ -92,7 +92,10 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
     `world_size` ranks (the TP x EP group), as the benchmarks' rows record them:
     {"tma_store": bool, "tma_store_env": "" | "0" | "1", "tile_list": "device" | "host",
     "host_tables": "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache":
-    bool, "host_splits": bool} (unset and empty read as the defaults).
+    bool, "host_splits": bool, "hw_profile": str} (unset and empty read as the defaults).
+    `hw_profile` is the `name` of the hardware profile the resource manager plans with
+    (`resource.profile.load_profile()`: the variable, else the current GPU's shipped
+    profile), "" where `triton_gpu` is false (no plan is made from it there).
 
     `tma_store` is the epilogue the GEMM2 kernel's default tile runs for this group size
     (`tma_store_enabled(world_size)`), and false where `triton_gpu` is false (the caller's
@@ -106,6 +109,7 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
             world_size (as `tma_store_enabled`).
     """
     from megatron_overlap.kernels.launch import fast_launch_mode
+    from megatron_overlap.resource.profile import load_profile
 
     tma = tma_store_enabled(world_size)  # (checks the variable and world_size everywhere)
     aligned = row_bytes is None or tma_rows_aligned(row_bytes)
@@ -113,7 +117,8 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
             "tma_store_env": getenv(TMA_STORE_ENV, ""),
             "tile_list": tile_list_source(),
             "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode(),
-            "host_cache": host_cache_enabled(), "host_splits": host_splits_enabled()}
+            "host_cache": host_cache_enabled(), "host_splits": host_splits_enabled(),
+            "hw_profile": load_profile().name if triton_gpu else ""}
 
 
 FC1_CHUNK_MAX_MB = 2**30

@@ -64,7 +64,9 @@ Common fields:
   host_tables / fast_launch (the run's `MEGATRON_OVERLAP_TILE_LIST` / `_HOST_TABLES` /
   `_FAST_LAUNCH`, effective values; absent before v5.4), host_cache (the run's
   `MEGATRON_OVERLAP_HOST_CACHE`, effective: bool; absent before v5.5), host_splits (the
-  run's `MEGATRON_OVERLAP_HOST_SPLITS`, effective: bool; absent before v5.7), timing_order
+  run's `MEGATRON_OVERLAP_HOST_SPLITS`, effective: bool; absent before v5.7), hw_profile
+  (the `name` of the hardware profile the flag-on plans used, "" where the flag-on variant
+  runs no GPU kernel; absent before v6.0, when it was always "h200"), timing_order
   (the variants' order in the timed rounds: "williams", `bench.measure.round_order`, from
   v5.4; absent before, when bench_layer rotated the order every round and prefill kept
   off, on, off-grouped, so every variant had the same predecessor in every round),
@@ -644,7 +646,7 @@ def environment_section(rows: list[dict]) -> str:
 
 SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes",
                   "tma_store", "tile_list", "host_tables", "fast_launch", "host_cache",
-                  "host_splits", "timing_order")
+                  "host_splits", "hw_profile", "timing_order")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
 in older rows: shown as "-"). "tma_store" shows the variable as the run set it
 (`tma_store_env`: "unset", "0", "1"; rows from before v5.9 have only `tma_store`, which

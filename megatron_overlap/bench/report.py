@@ -13,10 +13,14 @@ runs it, direct mode; "ours_prereduced": the same in the pre-reduced mode
 two modes with their preparation timed too (uploads, table kernels, the pre-reduced mode's
 routing-map all-gather; from v4.5); breakdown rows "ours_host",
 "ours_prereduced_host" (host time to enqueue one call of each mode; the second from v4.6),
-"ours_finalize" where present; exploration rows
+"ours_finalize" where present; "gemm_paired" (from v6.0: the grouped GEMM timed again in
+the same interleaved rounds as "ours_nocomm" and the "nocomm[...]" rows; the table's
+gemm/no-comm column is gemm_paired / ours_nocomm where it exists, else gemm / ours_nocomm,
+timed apart); exploration rows
 "ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts), p20_ms / p50_ms /
 p80_ms (the slowest rank's), queue_ms (GPU sleep before each timed run, hiding the host's
 enqueue: every provider but "ours"; absent = 0), gpu, world, peer_bandwidth_gbps, git_sha,
+hw_profile (from v6.0: the hardware profile's name the plans used; before, always "h200"),
 timestamp, torch.
 """
 
@@ -91,7 +95,8 @@ def table(rows: List[dict]) -> str:
             f"{g['prereduced']:.3f} | {g['ours']:.3f} | {g['ours_nocomm']:.3f} | "
             f"{g['bound']:.3f} | {g['megatron'] / g['ours']:.2f} | "
             f"{g['prereduced'] / g['ours']:.2f} | {g['ours'] / g['bound']:.2f} | "
-            f"{g['gemm'] / g['ours_nocomm']:.2f} | {_fmt(g.get('ours_host'))} | "
+            f"{g.get('gemm_paired', g['gemm']) / g['ours_nocomm']:.2f} | "
+            f"{_fmt(g.get('ours_host'))} | "
             f"{_fmt(g.get('ours_finalize'))} | {_fmt(g.get('ours_prepared'))} | "
             f"{_fmt(g.get('ours_prereduced'))} | {mode} | "
             f"{_ratio(g['megatron'], auto)} | {_ratio(g['prereduced'], auto)} | "

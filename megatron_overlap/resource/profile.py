@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +31,14 @@ HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 """Directory of the shipped hardware profiles (``<repo>/configs/hardware``)."""
 
 DEFAULT_PROFILE = "h200"
-"""Profile used when the caller names none and ``MEGATRON_OVERLAP_HW_PROFILE`` is unset."""
+"""Profile used when the caller names none, ``MEGATRON_OVERLAP_HW_PROFILE`` is unset and the
+current CUDA device matches no entry of `DEVICE_PROFILES` (or there is no CUDA device)."""
+
+DEVICE_PROFILES = (("H100 80GB HBM3", "h100"), ("H200", "h200"))
+"""(substring of `torch.cuda.get_device_name()`, profile name) pairs, tried in order: the
+GPUs a shipped profile was calibrated on. "NVIDIA H100 80GB HBM3" is the SXM H100 (132
+SMs, NVLink 4); the PCIe and NVL H100s have other SM counts, clocks and HBM and match no
+entry (they get `DEFAULT_PROFILE` with a warning)."""
 
 PROFILE_ENV = "MEGATRON_OVERLAP_HW_PROFILE"
 """Environment variable naming the default profile (a name in HARDWARE_DIR or a YAML path)."""
@@ -302,20 +310,76 @@ def _load_cached(path: str, mtime_ns: int) -> HardwareProfile:
 _BY_NAME: dict = {}
 
 
+def device_profile_name(device_name: str) -> Optional[str]:
+    """The shipped profile calibrated on the GPU named `device_name` (as
+    `torch.cuda.get_device_name` spells it), or None where `DEVICE_PROFILES` has none.
+
+    Raises:
+        TypeError: `device_name` is not a str.
+    """
+    if not isinstance(device_name, str):
+        raise TypeError(f"device_name={device_name!r}: expected a str (a CUDA device's name)")
+    for part, name in DEVICE_PROFILES:
+        if part in device_name:
+            return name
+    return None
+
+
+_warned_unknown_gpu: set = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _current_device_profile(index: int) -> str:
+    """`DEVICE_PROFILES`' profile for CUDA device `index`, else `DEFAULT_PROFILE` with a
+    one-time warning per GPU name (the planner would otherwise use another GPU's tile times
+    and bandwidths without saying so)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(index)
+    name = device_profile_name(gpu)
+    if name is None:
+        name = DEFAULT_PROFILE
+        if gpu not in _warned_unknown_gpu:
+            _warned_unknown_gpu.add(gpu)
+            warnings.warn(
+                f"no hardware profile for GPU {gpu!r} (shipped: "
+                f"{', '.join(n for _, n in DEVICE_PROFILES)}): the resource manager uses "
+                f"{DEFAULT_PROFILE!r}, whose tile times and bandwidths were measured on "
+                "another GPU; calibrate this one with launch/calibrate.py and set "
+                f"{PROFILE_ENV}=<the YAML it writes>", stacklevel=4)
+    return name
+
+
+def default_profile_name() -> str:
+    """The profile `load_profile()` loads without an argument: `MEGATRON_OVERLAP_HW_PROFILE`
+    if set, else the current CUDA device's entry in `DEVICE_PROFILES` (torch imported and a
+    CUDA device present; a GPU with no entry gets `DEFAULT_PROFILE` and a one-time
+    warning), else `DEFAULT_PROFILE` (no CUDA: the CPU paths plan nothing from it but its
+    limits)."""
+    env = os.environ.get(PROFILE_ENV)
+    if env:
+        return env
+    torch = sys.modules.get("torch")  # never imports torch (the C++ solver's tests do not)
+    if torch is not None and torch.cuda.is_available():
+        return _current_device_profile(torch.cuda.current_device())
+    return DEFAULT_PROFILE
+
+
 def load_profile(name_or_path: Optional[Union[str, Path]] = None) -> HardwareProfile:
     """Load a hardware profile; cached per process by name or path (the resource manager
     calls this before every launch: no file system access after the first call).
 
     Args:
-        name_or_path: a name in `HARDWARE_DIR` ("h200") or a YAML path; None: the value of
-            `MEGATRON_OVERLAP_HW_PROFILE`, else `DEFAULT_PROFILE`.
+        name_or_path: a name in `HARDWARE_DIR` ("h200", "h100") or a YAML path; None:
+            `default_profile_name()` (the variable `MEGATRON_OVERLAP_HW_PROFILE`, else the
+            current CUDA device's shipped profile, else `DEFAULT_PROFILE`).
 
     Raises:
         ValueError: unknown name, unreadable YAML, or a bad profile.
     """
     from_env = name_or_path is None and bool(os.environ.get(PROFILE_ENV))
     if name_or_path is None:
-        name_or_path = os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+        name_or_path = default_profile_name()
     key = str(name_or_path)
     profile = _BY_NAME.get(key)
     if profile is None:

@@ -305,6 +305,82 @@ def test_shipped_profile_and_round_trip(tmp_path):
     assert load_profile(path) == H200
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend torch sees one CUDA device of the given name (`fake_gpu(name)`); the
+    per-process caches of the device's profile are emptied before and after."""
+    import torch
+
+    from megatron_overlap.resource import profile as prof_mod
+
+    def install(name):
+        prof_mod._current_device_profile.cache_clear()
+        prof_mod._warned_unknown_gpu.clear()
+        prof_mod._BY_NAME.clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+
+    monkeypatch.delenv("MEGATRON_OVERLAP_HW_PROFILE", raising=False)
+    yield install
+    prof_mod._current_device_profile.cache_clear()
+    prof_mod._warned_unknown_gpu.clear()
+    prof_mod._BY_NAME.clear()
+
+
+def test_every_device_entry_names_a_shipped_profile():
+    from megatron_overlap.resource.profile import DEVICE_PROFILES, device_profile_name
+
+    for part, name in DEVICE_PROFILES:
+        prof = load_profile(name)
+        assert prof.name == name and prof.source.startswith("launch/calibrate.py")
+        assert not prof.provisional and any(t.tma_store for t in prof.tile_times)
+    assert device_profile_name("NVIDIA H100 80GB HBM3") == "h100"  # torch's name of the SXM
+    assert device_profile_name("NVIDIA H200") == "h200"
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", ""):
+        assert device_profile_name(other) is None
+    with pytest.raises(TypeError, match="device_name=0: expected a str"):
+        device_profile_name(0)
+
+
+@pytest.mark.parametrize("gpu, expected, warns", [
+    ("NVIDIA H100 80GB HBM3", "h100", False),
+    ("NVIDIA H200", "h200", False),
+    ("NVIDIA A100-SXM4-80GB", "h200", True),
+])
+def test_default_profile_follows_the_gpu(fake_gpu, monkeypatch, gpu, expected, warns):
+    """Without MEGATRON_OVERLAP_HW_PROFILE the planner loads the current GPU's shipped
+    profile; a GPU with none gets the default profile and one warning naming the GPU; the
+    variable wins over the device."""
+    from megatron_overlap import config
+    from megatron_overlap.resource.profile import default_profile_name
+
+    fake_gpu(gpu)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert default_profile_name() == expected
+        assert load_profile().name == expected
+        assert default_profile_name() == expected  # cached: no second warning
+    mine = [w for w in caught if "no hardware profile for GPU" in str(w.message)]
+    assert len(mine) == (1 if warns else 0)
+    if warns:
+        assert repr(gpu) in str(mine[0].message) and "launch/calibrate.py" in str(mine[0].message)
+    assert config.fused_path_settings(1)["hw_profile"] == expected
+    assert config.fused_path_settings(1, triton_gpu=False)["hw_profile"] == ""
+    monkeypatch.setenv("MEGATRON_OVERLAP_HW_PROFILE", "h100" if expected == "h200" else "h200")
+    assert load_profile().name != expected
+
+
+def test_no_cuda_means_the_default_profile(monkeypatch):
+    import torch
+
+    from megatron_overlap.resource.profile import DEFAULT_PROFILE, default_profile_name
+
+    monkeypatch.delenv("MEGATRON_OVERLAP_HW_PROFILE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_profile_name() == DEFAULT_PROFILE == "h200"
+
+
 def test_bad_profiles_name_the_key():
     good = H200.to_dict()
     with pytest.raises(ValueError, match="missing keys \\['hbm_bandwidth_gbps'\\]"):
