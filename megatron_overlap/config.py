@@ -136,13 +136,15 @@ def fc1_chunk_bytes() -> int:
 
     Raises:
         ValueError: the variable is set to something other than a number in
-            (0, FC1_CHUNK_MAX_MB].
+            (0, FC1_CHUNK_MAX_MB] (spaces around it or "_" inside it included).
     """
     raw = getenv(FC1_CHUNK_ENV, "")
     if not raw:
         return 128 * 2**20
     try:
-        mib = float(raw)
+        # (float() would also take surrounding spaces and "1_0"; the 0/1 variables refuse
+        # such values, and so does this one.)
+        mib = float(raw) if raw.strip() == raw and "_" not in raw else float("nan")
     except ValueError:
         mib = float("nan")
     if not (0 < mib <= FC1_CHUNK_MAX_MB):

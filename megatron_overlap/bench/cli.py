@@ -158,17 +158,17 @@ def parse_layout(text: str) -> tuple[int, int]:
     "tp1ep1" -> (1, 1).
 
     Raises:
-        argparse.ArgumentTypeError: anything else (sizes must be >= 1).
+        argparse.ArgumentTypeError: anything else (sizes are integers >= 1 without
+            leading zeros, so that each layout has one name).
     """
     import re
 
-    match = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", text)
+    match = re.fullmatch(r"(?:tp([1-9]\d*))?(?:ep([1-9]\d*))?", text)
     if not text or match is None or not any(match.groups()):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected epN, tpN or tpXepY (e.g. ep2, tp2, tp1ep1)")
+            f"{text!r}: expected epN, tpN or tpXepY with sizes >= 1 and no leading zeros "
+            "(e.g. ep2, tp2, tp1ep1)")
     tp, ep = (int(g) if g else 1 for g in match.groups())
-    if tp < 1 or ep < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be >= 1")
     return tp, ep
 
 

@@ -278,7 +278,8 @@ def test_parse_layout(text, layout):
     assert _module().parse_layout(text) == layout
 
 
-@pytest.mark.parametrize("text", ["", "pp2", "ep", "tp0", "ep2tp2", "tp-1"])
+@pytest.mark.parametrize("text", ["", "pp2", "ep", "tp0", "ep2tp2", "tp-1", "ep01",
+                                  "tp02ep1", "ep0"])
 def test_parse_layout_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
         _module().parse_layout(text)

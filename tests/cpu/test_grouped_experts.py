@@ -642,6 +642,7 @@ def test_flag_on_experts_layout_and_grouped_fc1(world):
 @pytest.mark.parametrize("value, expected", [
     ("", 128 * 2**20), ("512", 512 * 2**20), ("0.5", 2**19), ("1e-9", 1),
     ("0", None), ("-1", None), ("abc", None), ("nan", None), ("inf", None), ("1e308", None),
+    (" 64", None), ("64 ", None), ("6_4", None),
 ])
 def test_fc1_chunk_bytes_reads_and_checks_the_variable(monkeypatch, value, expected):
     from megatron_overlap.config import fc1_chunk_bytes
