@@ -62,10 +62,11 @@ from megatron_overlap.bench.cli import (
     layout_label,
     layout_sizes,
     non_negative_float,
+    parse_layout,
     positive_float,
     positive_int,
 )
-from megatron_overlap.bench.measure import percentile
+from megatron_overlap.bench.measure import percentile, round_order
 from megatron_overlap.bench.report import plot, table
 from megatron_overlap.bench.workloads import rank_rows, routing_maps
 from megatron_overlap.config import GatherRSOptions
@@ -139,9 +140,10 @@ def timed(fn, warmup: int, iters: int, queue_ms: float = 0.0):
 
 
 def timed_interleaved(fns, warmup: int, iters: int, queue_ms: float = 0.0):
-    """`timed` for several functions at once, their runs interleaved as in
-    `timed_prepared_interleaved` (round r runs every function once, starting at a different
-    one each round), so that a drift of the machine (clocks under power or heat, a
+    """`timed` for several functions at once, their runs interleaved: round r runs every
+    function once, in row r of a Williams design (`bench.measure.round_order`: every
+    function comes right after every other one equally often, as the layer benchmark's
+    variants do), so that a drift of the machine (clocks under power or heat, a
     neighbour's load) over the minute a workload takes hits all of them alike. Returns one
     p20/p50/p80 dict per entry of `fns`. The producer-efficiency pair (the grouped GEMM and
     our GEMM2 tiles) is timed this way from v6.0: timed apart, half a minute of other
@@ -150,8 +152,7 @@ def timed_interleaved(fns, warmup: int, iters: int, queue_ms: float = 0.0):
     times = [[] for _ in fns]
     n = len(fns)
     for r in range(warmup + iters):
-        for j in range(n):
-            i = (r + j) % n
+        for i in round_order(range(n), r):
             dist.barrier()
             torch.cuda.synchronize()
             _queue_gpu(queue_ms)
@@ -502,9 +503,14 @@ def main() -> int:
             load_model_shape(model)
         for name in args.variants:
             parse_tile(name)
+        for layout in args.layouts:  # the names here; TP x EP = world once the group is up
+            if layout not in ("ep", "tp"):
+                parse_layout(layout)
         check_launch_inputs(args.out, create=False)  # its folder: made by rank 0 below
     except (ValueError, ImportError) as err:
         parser.error(str(err))
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"--layouts: layout {err}; or 'ep' / 'tp' (the whole world)")
 
     faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)  # a stuck run says where
     device = init_cuda_group(__file__)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -124,6 +125,9 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
 FC1_CHUNK_MAX_MB = 2**30
 """Largest accepted `MEGATRON_OVERLAP_FC1_CHUNK_MB` (1 PiB: no limit in practice)."""
 
+_DECIMAL = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+"""An unsigned ASCII decimal number, as `fc1_chunk_bytes` accepts it."""
+
 
 def fc1_chunk_bytes() -> int:
     """The grouped FC1's chunk of rows, in bytes of [rows, F] (F the activation's width:
@@ -136,17 +140,16 @@ def fc1_chunk_bytes() -> int:
 
     Raises:
         ValueError: the variable is set to something other than a number in
-            (0, FC1_CHUNK_MAX_MB] (spaces around it or "_" inside it included).
+            (0, FC1_CHUNK_MAX_MB] written as a plain unsigned ASCII decimal (no spaces, sign,
+            "_" or non-ASCII digits).
     """
     raw = getenv(FC1_CHUNK_ENV, "")
     if not raw:
         return 128 * 2**20
-    try:
-        # (float() would also take surrounding spaces and "1_0"; the 0/1 variables refuse
-        # such values, and so does this one.)
-        mib = float(raw) if raw.strip() == raw and "_" not in raw else float("nan")
-    except ValueError:
-        mib = float("nan")
+    # A plain ASCII decimal ("128", "0.5", "1e-3"): float() alone would also take spaces
+    # around it, "1_0", a sign and non-ASCII digits ("６４"); the 0/1 variables refuse such
+    # values, and so does this one.
+    mib = float(raw) if _DECIMAL.fullmatch(raw) else float("nan")
     if not (0 < mib <= FC1_CHUNK_MAX_MB):
         raise ValueError(f"{FC1_CHUNK_ENV}={raw!r}: expected a number of MiB > 0 and <= "
                          f"{FC1_CHUNK_MAX_MB} (e.g. 128)")

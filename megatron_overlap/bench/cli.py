@@ -163,7 +163,7 @@ def parse_layout(text: str) -> tuple[int, int]:
     """
     import re
 
-    match = re.fullmatch(r"(?:tp([1-9]\d*))?(?:ep([1-9]\d*))?", text)
+    match = re.fullmatch(r"(?:tp([1-9][0-9]*))?(?:ep([1-9][0-9]*))?", text)  # ASCII digits
     if not text or match is None or not any(match.groups()):
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected epN, tpN or tpXepY with sizes >= 1 and no leading zeros "

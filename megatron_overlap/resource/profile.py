@@ -34,11 +34,13 @@ DEFAULT_PROFILE = "h200"
 """Profile used when the caller names none, ``MEGATRON_OVERLAP_HW_PROFILE`` is unset and the
 current CUDA device matches no entry of `DEVICE_PROFILES` (or there is no CUDA device)."""
 
-DEVICE_PROFILES = (("H100 80GB HBM3", "h100"), ("H200", "h200"))
-"""(substring of `torch.cuda.get_device_name()`, profile name) pairs, tried in order: the
-GPUs a shipped profile was calibrated on. "NVIDIA H100 80GB HBM3" is the SXM H100 (132
-SMs, NVLink 4); the PCIe and NVL H100s have other SM counts, clocks and HBM and match no
-entry (they get `DEFAULT_PROFILE` with a warning)."""
+DEVICE_PROFILES = (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"))
+"""(`torch.cuda.get_device_name()`, profile name) pairs: the GPUs a shipped profile was
+calibrated on, matched by the whole name (spaces around it ignored). "NVIDIA H100 80GB
+HBM3" is the SXM H100 (132 SMs, NVLink 4), "NVIDIA H200" the SXM H200. Every other name
+gets `DEFAULT_PROFILE` with a warning: the PCIe H100 (fewer SMs), the NVL parts and the
+GH200 (other power limits, clocks or links), and MIG instances ("... MIG 1g.10gb": a
+fraction of the SMs), whose tile times and bandwidths these profiles do not describe."""
 
 PROFILE_ENV = "MEGATRON_OVERLAP_HW_PROFILE"
 """Environment variable naming the default profile (a name in HARDWARE_DIR or a YAML path)."""
@@ -319,8 +321,8 @@ def device_profile_name(device_name: str) -> Optional[str]:
     """
     if not isinstance(device_name, str):
         raise TypeError(f"device_name={device_name!r}: expected a str (a CUDA device's name)")
-    for part, name in DEVICE_PROFILES:
-        if part in device_name:
+    for gpu, name in DEVICE_PROFILES:
+        if device_name.strip() == gpu:
             return name
     return None
 

@@ -279,7 +279,7 @@ def test_parse_layout(text, layout):
 
 
 @pytest.mark.parametrize("text", ["", "pp2", "ep", "tp0", "ep2tp2", "tp-1", "ep01",
-                                  "tp02ep1", "ep0"])
+                                  "tp02ep1", "ep0", "ep1\u0660", "ep\u0662"])
 def test_parse_layout_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
         _module().parse_layout(text)

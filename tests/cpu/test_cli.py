@@ -175,3 +175,22 @@ def test_oracle_dry_run_still_makes_its_out_folder(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert (tmp_path / "new" / "rows.jsonl").stat().st_size > 0
+
+
+@pytest.mark.parametrize("layout", ["ep01", "pp2", "ep\u0662"])
+def test_bench_op_refuses_a_bad_layout_name_before_any_gpu_work(tmp_path, layout):
+    """A misspelt --layouts is named as such on any machine (before v6.0 a CPU machine said
+    only "needs CUDA GPUs", and a GPU machine said it after starting the process group)."""
+    import subprocess
+    import sys
+
+    from tests.support.launch import launcher_env
+
+    launch = Path(__file__).resolve().parents[2] / "launch"
+    proc = subprocess.run([sys.executable, str(launch / "bench_op.py"), "--layouts", "ep",
+                           layout, "--out", "new/rows.jsonl"], cwd=tmp_path,
+                          env=launcher_env(), capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert f"--layouts: layout {layout!r}: expected epN" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "new").exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -642,14 +643,16 @@ def test_flag_on_experts_layout_and_grouped_fc1(world):
 @pytest.mark.parametrize("value, expected", [
     ("", 128 * 2**20), ("512", 512 * 2**20), ("0.5", 2**19), ("1e-9", 1),
     ("0", None), ("-1", None), ("abc", None), ("nan", None), ("inf", None), ("1e308", None),
-    (" 64", None), ("64 ", None), ("6_4", None),
+    (" 64", None), ("64 ", None), ("6_4", None), ("+64", None), ("\uff16\uff14", None),
+    ("\u0661\u0662\u0668", None), ("64.", 64 * 2**20), (".5", 2**19), ("1E2", 100 * 2**20),
 ])
 def test_fc1_chunk_bytes_reads_and_checks_the_variable(monkeypatch, value, expected):
     from megatron_overlap.config import fc1_chunk_bytes
 
     monkeypatch.setenv(FC1_CHUNK_ENV, value)
     if expected is None:
-        with pytest.raises(ValueError, match=f"{FC1_CHUNK_ENV}={value!r}: expected a number"):
+        with pytest.raises(ValueError,
+                           match=re.escape(f"{FC1_CHUNK_ENV}={value!r}: expected a number")):
             fc1_chunk_bytes()
     else:
         assert fc1_chunk_bytes() == expected

@@ -331,13 +331,15 @@ def fake_gpu(monkeypatch):
 def test_every_device_entry_names_a_shipped_profile():
     from megatron_overlap.resource.profile import DEVICE_PROFILES, device_profile_name
 
-    for part, name in DEVICE_PROFILES:
+    for _, name in DEVICE_PROFILES:
         prof = load_profile(name)
         assert prof.name == name and prof.source.startswith("launch/calibrate.py")
         assert not prof.provisional and any(t.tma_store for t in prof.tile_times)
     assert device_profile_name("NVIDIA H100 80GB HBM3") == "h100"  # torch's name of the SXM
     assert device_profile_name("NVIDIA H200") == "h200"
-    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", ""):
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", "",
+                  "NVIDIA H200 NVL", "NVIDIA GH200 480GB", "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
+                  "H200", "H100 80GB HBM3"):
         assert device_profile_name(other) is None
     with pytest.raises(TypeError, match="device_name=0: expected a str"):
         device_profile_name(0)

@@ -469,3 +469,37 @@ def test_staging_slots_are_reused_only_when_the_call_is_gone():
             assert len({id(s) for s in seen if s is not None}) < len(seen), "no slot reused"
     finally:
         destroy_workspaces()
+
+
+def test_gemm_only_stores_the_calls_rows_and_leaves_its_tables():
+    """`_Call.gemm_only` (bench_op's and calibrate.py's producer timing) stores exactly the
+    GEMM2 rows the call stored into its local buffer, bit for bit, on every repeat, with the
+    call's own tile list untouched (from v6.0 the list with every destination set to this
+    rank is built once, not in every timed launch). World 1, in this process."""
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import prepare_gemm2_gatherrs
+    from megatron_overlap.symm import destroy_workspaces
+
+    opts = GatherRSOptions(backend="triton", timeout_s=20.0, prereduce=False)
+    case = OpCase(1, 1, num_experts=8, topk=2, hidden=512, ffn=256, tokens_per_rank=[333],
+                  routing="skewed", dtype=torch.bfloat16, seed=71)
+    h, w2, meta = rank_operands(case, 0)
+    h, w2, meta = h.cuda(), w2.cuda(), meta.to("cuda")
+    try:
+        with torch.no_grad():
+            call = prepare_gemm2_gatherrs(h, w2, meta, group=None, options=opts)
+            call.run(h, w2)
+            torch.cuda.synchronize()
+            rows = call._local_rows
+            assert rows > 0
+            local, tiles = call.local[:rows].clone(), call.tiles.clone()
+            for i in range(3):
+                if i:  # the repeats must store every row again
+                    call._scratch.fill_(float("nan"))
+                call.gemm_only()
+                torch.cuda.synchronize()
+                assert torch.equal(call._scratch[:rows], local)
+            assert torch.equal(call.tiles, tiles)
+            assert int(call._gemm_only_tiles[:, 4].ne(call.rank).sum()) == 0
+    finally:
+        destroy_workspaces()
