@@ -367,6 +367,18 @@ def _simulate() -> dict:
                 report[f"{case} operands"] = "gemm_only ran without the operands"
             except RuntimeError:
                 pass
+        elif r == 1:  # the producer timing's launch: the call's rows again (NaN-poisoned
+            # local buffer: every row compared was written), tables untouched
+            call, tiles = calls[0], calls[0].tiles.clone()
+            rows = call._local_rows
+            for i in range(2):
+                if i:
+                    call._scratch.fill_(float("nan"))
+                call.gemm_only()
+                if rows and not torch.equal(call._scratch[:rows], call.local[:rows]):
+                    report[f"{case} gemm_only {i}"] = "gemm_only's rows differ from the call's"
+            if not torch.equal(call.tiles, tiles):
+                report[f"{case} gemm_only tiles"] = "gemm_only changed the call's tile list"
         for g, out in enumerate(outs):
             key = f"{case} rank {g}"
             report[key] = describe_mismatch(out, dense_output(case, g), rel_tol=1e-5)
