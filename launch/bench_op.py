@@ -58,11 +58,11 @@ import torch.nn.functional as F
 from megatron_overlap.bench.cli import (
     add_timing_args,
     check_launch_inputs,
+    check_layout_name,
     init_cuda_group,
     layout_label,
     layout_sizes,
     non_negative_float,
-    parse_layout,
     positive_float,
     positive_int,
 )
@@ -503,14 +503,14 @@ def main() -> int:
             load_model_shape(model)
         for name in args.variants:
             parse_tile(name)
-        for layout in args.layouts:  # the names here; TP x EP = world once the group is up
-            if layout not in ("ep", "tp"):
-                parse_layout(layout)
         check_launch_inputs(args.out, create=False)  # its folder: made by rank 0 below
     except (ValueError, ImportError) as err:
         parser.error(str(err))
-    except argparse.ArgumentTypeError as err:
-        parser.error(f"--layouts: layout {err}; or 'ep' / 'tp' (the whole world)")
+    try:  # the names here; TP x EP = world once the group is up (below)
+        for layout in args.layouts:
+            check_layout_name(layout)
+    except ValueError as err:
+        parser.error(f"--layouts: {err}")
 
     faulthandler.dump_traceback_later(args.stack_dump_s, repeat=True)  # a stuck run says where
     device = init_cuda_group(__file__)

@@ -184,13 +184,25 @@ def layout_sizes(layout: str, world: int) -> tuple[int, int]:
         return 1, world
     if layout == "tp":
         return world, 1
-    try:
-        tp, ep = parse_layout(layout)
-    except argparse.ArgumentTypeError as err:
-        raise ValueError(f"layout {err}; or 'ep' / 'tp' (the whole world)") from None
+    tp, ep = check_layout_name(layout)
     if tp * ep != world:
         raise ValueError(f"layout {layout!r}: TP x EP = {tp * ep}, but there are {world} ranks")
     return tp, ep
+
+
+def check_layout_name(layout: str) -> Optional[tuple[int, int]]:
+    """The name check of `layout_sizes`, before the world size is known: None for "ep" /
+    "tp" (their sizes follow the world), else `parse_layout`'s (TP, EP).
+
+    Raises:
+        ValueError: any other name.
+    """
+    if layout in ("ep", "tp"):
+        return None
+    try:
+        return parse_layout(layout)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"layout {err}; or 'ep' / 'tp' (the whole world)") from None
 
 
 def layout_label(tp: int, ep: int) -> str:

@@ -173,6 +173,16 @@ def test_layout_names():
         layout_sizes("bogus", 2)
 
 
+def test_layout_name_check_before_the_world_is_known():
+    from megatron_overlap.bench.cli import check_layout_name
+
+    assert check_layout_name("ep") is None and check_layout_name("tp") is None
+    assert check_layout_name("tp2ep4") == (2, 4) and check_layout_name("ep3") == (1, 3)
+    for bad in ("ep01", "pp2", "", "ep0"):
+        with pytest.raises(ValueError, match=f"layout {bad!r}: expected epN"):
+            check_layout_name(bad)
+
+
 def test_regret_summary_table_and_plot(tmp_path):
     rows = (_measured("a", {1: 2.0, 16: 1.2, 64: 1.0, 131: 1.5}, 60, 1.05)
             + _measured("b", {1: 3.0, 16: 2.0, 64: 2.2}, 16, 2.0)
