@@ -259,12 +259,7 @@ def gpu_steps(model: str, tokens: int, seed: int) -> dict:
     from megatron_overlap.metadata import triton_metadata
     from megatron_overlap.models import load_model_shape
     from megatron_overlap.ops import prepare_gemm2_gatherrs
-    from megatron_overlap.ops.triton_gemm2_gatherrs import (
-        call_resources,
-        default_tile,
-        epilogue_stores_tma,
-    )
-    from megatron_overlap.resource import plan_gemm2_gatherrs
+    from megatron_overlap.ops.triton_gemm2_gatherrs import call_resources, plan_call
 
     shape = load_model_shape(model)
     num_experts, topk = shape.num_moe_experts, shape.moe_router_topk
@@ -284,13 +279,13 @@ def gpu_steps(model: str, tokens: int, seed: int) -> dict:
     calls = []
 
     def combine():
-        tile = default_tile(device, 1)  # world 1
-        plan = plan_gemm2_gatherrs(
-            meta, options, num_sms=sms, hidden=hidden, ffn=ffn, elem_bytes=2, recv_rows=rows,
-            kernel=call_resources(h.dtype, ffn, hidden, 1, topk, num_experts, tile),
-            tma_store=epilogue_stores_tma(tile, hidden, 2))
-        call = prepare_gemm2_gatherrs(h, w2, meta, group=None, options=options, plan=plan,
-                                      tile=tile)
+        # world 1; the tile and plan as the dispatcher makes them (`plan_call`)
+        choice = plan_call(meta, options, device=device, num_sms=sms, hidden=hidden, ffn=ffn,
+                           elem_bytes=2, recv_rows=rows,
+                           resources=lambda t: call_resources(h.dtype, ffn, hidden, 1, topk,
+                                                              num_experts, t))
+        call = prepare_gemm2_gatherrs(h, w2, meta, group=None, options=options,
+                                      plan=choice.plan, tile=choice.tile)
         call.send(h, w2, keep_operands=False)
         calls[:] = [call]  # the last call, for the finalize step; the one before is freed
         return call.finish()

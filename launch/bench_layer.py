@@ -260,7 +260,8 @@ class RunConfig:
     """(variable, value) of the 'on-alt' variant (`--alt-env`), or None."""
 
 
-ALT_ENV_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
+ALT_ENV_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_CHOICE",
+                     "MEGATRON_OVERLAP_TILE_LIST",
                      "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_FC1_CHUNK_MB",
                      "MEGATRON_OVERLAP_SOLVER", "MEGATRON_OVERLAP_HW_PROFILE",
                      "MEGATRON_OVERLAP_HOST_TABLES", "MEGATRON_OVERLAP_HOST_CACHE",
@@ -268,7 +269,8 @@ ALT_ENV_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
 """The variables `--alt-env` takes: those of the fused path, each read per call
 (`megatron_overlap.config.check_environment` checks their values)."""
 
-TRITON_ONLY_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_LIST",
+TRITON_ONLY_VARIABLES = ("MEGATRON_OVERLAP_TMA_STORE", "MEGATRON_OVERLAP_TILE_CHOICE",
+                         "MEGATRON_OVERLAP_TILE_LIST",
                          "MEGATRON_OVERLAP_FAST_LAUNCH", "MEGATRON_OVERLAP_HOST_TABLES",
                          "MEGATRON_OVERLAP_HOST_CACHE")
 """Those of `ALT_ENV_VARIABLES` that only the Triton backend reads (on a CPU an A/B of them
@@ -631,8 +633,8 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
     Returns:
         {"ms": {variant: [slowest rank's ms per round]}, "errors": {variant: `max_error`
         against "off"}, "fused_calls": launches of the fused op in a variant's timed rounds,
-        "flag_on_state": {flag-on variant: (last_fc1, last_fc2_weight, plan, last_combine)
-        after its last forward} (`describe`, `make_rows`), and per
+        "flag_on_state": {flag-on variant: (last_fc1, last_fc2_weight, plan, last_combine,
+        last_tile) after its last forward} (`describe`, `make_rows`), and per
         variant, max over ranks: "fwd_extra_bytes", "peak_abs_bytes", "persistent_bytes",
         "param_bytes", "symm_workspace_bytes" (None on CPU but param_bytes)}.
 
@@ -674,7 +676,8 @@ def time_workload(layers: dict, x: torch.Tensor, run: RunConfig, device: torch.d
                 layer = layers[name]
                 flag_on_state[name] = (layer.experts.last_fc1, layer.experts.last_fc2_weight,
                                        layer.token_dispatcher.plan,
-                                       layer.token_dispatcher.last_combine)
+                                       layer.token_dispatcher.last_combine,
+                                       layer.token_dispatcher.last_tile)
         errors = {name: max_error(outputs[name], outputs["off"]) for name in names
                   if name != "off"}
     del outputs
@@ -758,7 +761,7 @@ def describe(layers: dict, backend: str, te_version: str | None,
              flag_on_state: dict | None = None) -> dict:
     """{variant: (label, experts_impl)} after the variants ran (`baselines.label`); the
     flag-on variants from `flag_on_state` ({variant: (last_fc1, last_fc2_weight, plan,
-    last_combine)} after its own forward, `time_workload`) where given, else from the
+    last_combine, last_tile)} after its own forward, `time_workload`) where given, else from the
     layer now."""
     from megatron_overlap.bench.baselines import label
 
@@ -849,6 +852,10 @@ def make_rows(result: dict, seq: int, info: dict, details: dict, run: RunConfig)
             "fused_calls": result["fused_calls"] if flag_on else 0,
             # "direct" / "prereduced" / "reference": what its last combine ran
             "combine_mode": result["flag_on_state"][name][3] if flag_on else None,
+            # the GEMM2 tile its last Triton combine ran (`TileConfig.name`; None: none ran)
+            "gemm2_tile": (result["flag_on_state"][name][4].name
+                           if flag_on and result["flag_on_state"][name][4] is not None
+                           else None),
             # on-alt: the variable set around its forwards (--alt-env)
             "alt_env": "=".join(run.alt_env) if name == "on-alt" else None,
             "timing_order": TIMING_ORDER,

@@ -11,6 +11,9 @@ inputs, CUDA events, median (p20/p80) of --iters timed runs after --warmup:
   prereduced    (b) non-overlapped, pre-reduced: grouped GEMM, local top-k gather, the
                 collective on the reduced rows, finalize (`reference.gatherrs_reference`)
   ours_nocomm   (d) our fused kernel with its GEMM2 tiles only (communication off)
+Every ours* provider runs the op's own GEMM2 tile: the one the resource manager picks for
+the call (`ops.triton_gemm2_gatherrs.plan_call`; row fields gemm2_tile and
+tile_predicted_us, the model's time of each tile it compared); --variants add others.
   gemm_paired   the grouped GEMM again, its runs interleaved with ours_nocomm's (and every
                 --variants tile's nocomm[...]): the producer efficiency is
                 gemm_paired / ours_nocomm (from v6.0; before, gemm / ours_nocomm, timed
@@ -289,33 +292,25 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
         results["ours"] = timed(lambda: gemm2_gatherrs(h, w2, meta, group=group, options=opts),
                                 args.warmup, args.iters)
-        from megatron_overlap.ops.triton_gemm2_gatherrs import (
-            _Call,
-            call_resources,
-            default_tile,
-            epilogue_stores_tma,
-        )
-        from megatron_overlap.resource import plan_gemm2_gatherrs
+        from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, call_resources, plan_call
         from megatron_overlap.symm import get_workspace
 
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        call_tile = default_tile(device, meta.group_size)  # the op's tile for this group
-        # The plan as the op makes it (k from the model; mode: GatherRSOptions' default "auto").
+        # The tile and plan as the op makes them (the tile: the resource manager's choice for
+        # this group, `plan_call`; k from the model; mode: GatherRSOptions' default "auto").
         # The timed direct / pre-reduced calls below use its grid and k; auto_mode records
         # which of the two the resource manager would run.
-        plan = plan_gemm2_gatherrs(meta, opts, num_sms=num_sms, hidden=hidden, ffn=ffn,
-                                   elem_bytes=h.element_size(),
-                                   recv_rows=int(maps[rank].sum()) * tp,
-                                   kernel=call_resources(h.dtype, ffn, hidden, tp, meta.topk,
-                                                         meta.routing_map.shape[1],
-                                                         call_tile),
-                                   tma_store=epilogue_stores_tma(call_tile, hidden,
-                                                                 h.element_size()))
+        choice = plan_call(meta, opts, device=device, num_sms=num_sms, hidden=hidden, ffn=ffn,
+                           elem_bytes=h.element_size(), recv_rows=int(maps[rank].sum()) * tp,
+                           resources=lambda t: call_resources(h.dtype, ffn, hidden, tp,
+                                                              meta.topk,
+                                                              meta.routing_map.shape[1], t))
+        call_tile, plan = choice.tile, choice.plan
         ws = get_workspace(group, hidden=hidden, dtype=h.dtype, device=device)
 
         def prepare(tile=None, call_plan=plan):
             return _Call(meta, ws, call_plan, hidden=hidden, dtype=h.dtype, device=device,
-                         timeout_s=30.0, tile=tile)
+                         timeout_s=30.0, tile=tile or call_tile)
 
         def one_call(tile=None, call_plan=plan):
             call = prepare(tile, call_plan)
@@ -409,6 +404,9 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                   max_rel_err_variants=variant_errs,
                   max_rel_err_prereduced_mode=err_prereduced, auto_mode=plan.mode,
                   num_comm_ctas=plan.num_comm_ctas,
+                  # the op's GEMM2 tile (`TileConfig.name`) and the model's predicted time
+                  # of each tile it compared (`plan_call`)
+                  gemm2_tile=call_tile.name, tile_predicted_us=choice.predicted_us,
                   gemm_tflops=flops / (results["gemm"]["p50"] * 1e-3) / 1e12)
     # every rank's p50 -> the slowest rank is the op's time
     rows_out = []

@@ -13,7 +13,10 @@ written, every rank measures alike at the same time, as in the fused op):
              store epilogue (`DEFAULT_TILE`, whatever $MEGATRON_OVERLAP_TMA_STORE says),
              and with --tma-store also the TMA-store one (`DEFAULT_TMA_TILE`): a second
              tile_times entry with `tma_store: true` (without the flag, the base
-             profile's TMA-store entry is copied, and the header says so);
+             profile's TMA-store entry is copied, and the header says so); then each
+             of --tiles (default: `ops.triton_gemm2_gatherrs.TILE_CANDIDATES`, the tiles
+             the resource manager may choose per call), one entry each (BK must be
+             the default tile's: the sweep's F values are shared);
   peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
              --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
              largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
@@ -101,6 +104,45 @@ def fit_link(ctas: Sequence[int], gbps: Sequence[float]) -> Tuple[float, float]:
     return float(max(gbps)), float(max(b / k for k, b in small))
 
 
+def candidate_tiles(names=None) -> list:
+    """The TileConfigs of --tiles: `names` parsed as launch/bench_op.py's --variants (None:
+    `ops.triton_gemm2_gatherrs.TILE_CANDIDATES`).
+
+    Raises:
+        ValueError: a bad name; a tile with another BK than `DEFAULT_TILE`'s, the dynamic
+            schedule, two CTAs per SM, the default tile itself or a repeat (each message
+            names it).
+    """
+    from megatron_overlap.ops.triton_gemm2_gatherrs import TILE_CANDIDATES
+
+    if names is None:
+        return list(TILE_CANDIDATES)
+    import bench_op  # launch/bench_op.py: parse_tile
+
+    tiles, seen = [], set()
+    for name in names:
+        tile, per_sm = bench_op.parse_tile(name)
+        if tile.bk != DEFAULT_TILE[2]:
+            raise ValueError(f"{name!r}: BK {tile.bk}; the sweep's F values are chosen for "
+                             f"BK {DEFAULT_TILE[2]} (the default tile's)")
+        if per_sm != 1 or not tile.static:
+            raise ValueError(f"{name!r}: the calibrated kernel runs one CTA per SM with the "
+                             "static schedule (no 'g2', no 'dyn')")
+        key = (tile.bm, tile.bn, tile.bk, tile.tma_store)
+        if key[:3] == DEFAULT_TILE or key in seen:
+            raise ValueError(f"{name!r}: the default tile (measured anyway; --tma-store "
+                             "adds its TMA-store entry) or a shape and epilogue already "
+                             "listed: one tile_times entry per shape and epilogue")
+        seen.add(key)
+        tiles.append(tile)
+    for tile in tiles:  # (a profile needs a register-store entry for every shape)
+        if tile.tma_store and (tile.bm, tile.bn, tile.bk, False) not in seen:
+            raise ValueError(f"{tile.name!r}: a TMA-store tile needs its shape's register-"
+                             f"store tile listed too (e.g. {tile.name[:-3]}), as every "
+                             "profile entry with tma_store has a register-store twin")
+    return tiles
+
+
 def gpu_limits(base: GpuLimits, props=None) -> GpuLimits:
     """`base` with the values the device properties report (torch names vary by version)."""
     if props is None:
@@ -117,26 +159,42 @@ def gpu_limits(base: GpuLimits, props=None) -> GpuLimits:
     return dataclasses.replace(base, **found)
 
 
+def _row_key(row: dict) -> Tuple[int, int, int, bool]:
+    """(bm, bn, bk, tma_store) of a tile-sweep row (rows without a shape: `DEFAULT_TILE`'s,
+    as calibrate.py wrote them before v6.1; without tma_store: False)."""
+    bm, bn, bk = (row.get(k, d) for k, d in zip(("bm", "bn", "bk"), DEFAULT_TILE))
+    return (bm, bn, bk, bool(row.get("tma_store", False)))
+
+
 def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: List[dict],
                   store_rows: List[dict], hbm_gbps: float, launch_us: float,
                   latency_us: float, source: str, link_from_base: bool) -> HardwareProfile:
-    """The profile from the measured rows (`tile_rows`: ksteps, tau_us, ctas_per_sm and
-    tma_store (absent: False), one tile_times entry fitted per epilogue; `store_rows`:
-    ctas, gbps)."""
+    """The profile from the measured rows (`tile_rows`: bm, bn, bk (absent: `DEFAULT_TILE`),
+    ksteps, tau_us, ctas_per_sm and tma_store (absent: False), one tile_times entry fitted
+    per tile shape and epilogue, the default tile's first; `store_rows`: ctas, gbps)."""
     bm, bn, bk = DEFAULT_TILE
     entries = []
-    for tma in sorted({bool(r.get("tma_store", False)) for r in tile_rows}):
-        rows = [r for r in tile_rows if bool(r.get("tma_store", False)) == tma]
+    keys = sorted({_row_key(r) for r in tile_rows},
+                  key=lambda k: (k[:3] != DEFAULT_TILE, k))  # the default tile first
+    for key in keys:
+        rows = [r for r in tile_rows if _row_key(r) == key]
         alpha, beta = fit_tile_time([r["ksteps"] for r in rows], [r["tau_us"] for r in rows])
-        entries.append(TileTime(bm=bm, bn=bn, bk=bk, ctas_per_sm=rows[0]["ctas_per_sm"],
+        entries.append(TileTime(bm=key[0], bn=key[1], bk=key[2],
+                                ctas_per_sm=rows[0]["ctas_per_sm"],
                                 alpha_us=round(alpha, 4), beta_us=round(beta, 5),
-                                tma_store=tma))
+                                tma_store=key[3]))
     # A TMA-store time not measured here (no --tma-store): the base's, where it has one, so
     # that a re-calibration without the flag does not drop it (`tma_store_copied_from_base`).
-    copied_tma = not any(t.tma_store for t in entries) and any(
+    copied_tma = not any(t.tma_store and t.shape == (bm, bn, bk) for t in entries) and any(
         t.tma_store and t.shape == (bm, bn, bk) for t in base.tile_times)
     if copied_tma:
-        entries.append(base.tile_time(bm, bn, bk, tma_store=True))
+        entries.insert(1, base.tile_time(bm, bn, bk, tma_store=True))
+    # Other shapes' entries of the base not measured here (--tiles without them): copied, so
+    # that a re-calibration does not drop a candidate tile (`tiles_copied_from_base`).
+    measured = {t.key for t in entries}
+    copied_tiles = [t for t in base.tile_times
+                    if t.shape != (bm, bn, bk) and t.key not in measured]
+    entries += copied_tiles
     if link_from_base:
         b_link, b_cta = base.link_bandwidth_gbps, base.cta_bandwidth_gbps
     else:
@@ -152,22 +210,30 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         extra={"tile_sweep": tile_rows, "peer_store_sweep": store_rows,
                "link_values_copied_from_base": link_from_base,
                "tma_store_copied_from_base": copied_tma,
+               "tiles_copied_from_base": [
+                   f"{t.bm}x{t.bn}x{t.bk}{' tma' if t.tma_store else ''}"
+                   for t in copied_tiles],
                "prereduce_host_us_copied_from_base": base.name})
 
 
 def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
-                           tma_store: bool = False):
+                           tma_store: bool = False, tiles=()):
     """--dry-run: the rows a GPU run would produce if the base profile were exact (with
     `tma_store`, also the TMA-store sweep, from the base's TMA-store entry, else from its
-    register-store one)."""
+    register-store one; each of `tiles` (TileConfigs) from the base's entry for it, else
+    from the default tile's register-store entry)."""
     tile_rows = []
-    for tma in (False, True) if tma_store else (False,):
+    sweeps = [(DEFAULT_TILE, tma) for tma in ((False, True) if tma_store else (False,))]
+    sweeps += [((t.bm, t.bn, t.bk), t.tma_store) for t in tiles]
+    for shape, tma in sweeps:
         with warnings.catch_warnings():  # (a base without a TMA-store entry: said above)
             warnings.simplefilter("ignore")
-            t = base.tile_time(*DEFAULT_TILE, tma_store=tma)
+            t = (base.tile_time(*shape, tma_store=tma) if base.has_tile_time(*shape)
+                 else base.tile_time(*DEFAULT_TILE))
         for f in ffns:
-            ksteps = -(-f // DEFAULT_TILE[2])
-            tile_rows.append(dict(ffn=f, ksteps=ksteps, ctas_per_sm=t.ctas_per_sm,
+            ksteps = -(-f // shape[2])
+            tile_rows.append(dict(bm=shape[0], bn=shape[1], bk=shape[2], ffn=f, ksteps=ksteps,
+                                  ctas_per_sm=t.ctas_per_sm,
                                   tau_us=t.alpha_us + t.beta_us * ksteps, tma_store=tma))
     store_rows = [dict(ctas=k or num_sms, gbps=min((k or num_sms) * base.cta_bandwidth_gbps,
                                                    base.link_bandwidth_gbps)) for k in ctas]
@@ -176,21 +242,28 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
 
 # ---- GPU measurements ------------------------------------------------------------------
 
-def measure_tiles(args, device, timed, tma_store: bool = False) -> List[dict]:
-    """The tile-time sweep of one epilogue: `DEFAULT_TILE`'s register stores, or with
-    `tma_store` `DEFAULT_TMA_TILE`'s TMA stores (set explicitly: not the environment's)."""
+def measure_tiles(args, device, timed, base: HardwareProfile, tile=None) -> List[dict]:
+    """The tile-time sweep of one tile configuration (`ops.triton_gemm2_gatherrs.TileConfig`;
+    None: `DEFAULT_TILE`'s register stores; its epilogue set explicitly, not by the
+    environment)."""
     import torch
 
     from megatron_overlap.bench.workloads import rank_rows, routing_maps
     from megatron_overlap.config import GatherRSOptions
-    from megatron_overlap.ops.triton_gemm2_gatherrs import (
-        DEFAULT_TILE as REGISTER_TILE,
-        DEFAULT_TMA_TILE,
-        _Call,
-    )
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, epilogue_stores_tma
     from megatron_overlap.resource import plan_gemm2_gatherrs
     from megatron_overlap.symm import get_workspace
 
+    tile = tile or REGISTER_TILE
+    shape = (tile.bm, tile.bn, tile.bk)
+    tma_store = epilogue_stores_tma(tile, args.hidden, 2)
+    if not base.has_tile_time(*shape, tma_store):
+        # a tile new to the base profile: a placeholder time, so that the plan below counts
+        # this tile's tiles (its time only sets k, and at world 1 no tile is remote)
+        base = dataclasses.replace(base, tile_times=base.tile_times + tuple(
+            TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
+            for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     maps = routing_maps([args.tokens], 8, 2, "uniform", seed=args.seed)
     meta = rank_rows(maps, tp=1, ep=1, rank=0, topk=2).meta.to(device)
@@ -203,15 +276,17 @@ def measure_tiles(args, device, timed, tma_store: bool = False) -> List[dict]:
         w2 = (torch.randn(8, args.hidden, f, generator=gen, device=device) / f**0.5).to(
             torch.bfloat16)
         plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"), num_sms=num_sms,
-                                   hidden=args.hidden, ffn=f, tma_store=tma_store)
+                                   hidden=args.hidden, ffn=f, tma_store=tma_store,
+                                   profile=base, tile=shape)
         call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype, device=device,
-                     timeout_s=30.0, tile=DEFAULT_TMA_TILE if tma_store else REGISTER_TILE)
+                     timeout_s=30.0, tile=tile)
         call.run(h, w2)  # world 1: every tile local; gemm_only needs a call that was run
         t = timed(lambda call=call, g=plan.num_ctas: call.gemm_only(g), args.warmup, args.iters,
                   args.queue_ms)
         tiles = plan.breakdown.local_tiles
         waves = -(-tiles // plan.num_ctas)
-        rows.append(dict(ffn=f, ksteps=-(-f // DEFAULT_TILE[2]), tiles=tiles,
+        rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk, ffn=f,
+                         ksteps=-(-f // tile.bk), tiles=tiles,
                          grid=plan.num_ctas, waves=waves, ctas_per_sm=plan.breakdown.ctas_per_sm,
                          ms=t["p50"], tau_us=t["p50"] * 1e3 / waves, tma_store=tma_store))
         del h, w2, call
@@ -295,6 +370,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tma-store", action="store_true",
                         help="also sweep the TMA-store epilogue's tile time (a second "
                              "tile_times entry, tma_store: true)")
+    parser.add_argument("--tiles", nargs="*", default=None, metavar="TILE",
+                        help="more tile configurations to sweep, one tile_times entry each, "
+                             "as launch/bench_op.py --variants spells them (e.g. "
+                             "256x128x64w8s4; static schedule, one CTA per SM); default: "
+                             "the resource manager's candidates (ops.triton_gemm2_gatherrs."
+                             "TILE_CANDIDATES); none: --tiles with no value")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
@@ -306,6 +387,13 @@ def main(argv=None) -> int:
     if len(ksteps) < 2:
         parser.error(f"--ffn {' '.join(map(str, args.ffn))}: the fit needs >= 2 distinct "
                      f"K-step counts (ceil(F / {DEFAULT_TILE[2]})), got {sorted(ksteps)}")
+    try:
+        extra_tiles = candidate_tiles(args.tiles)
+    except ValueError as err:
+        parser.error(f"--tiles: {err}")
+    if args.hidden * 2 % 16 and any(t.tma_store for t in extra_tiles):
+        parser.error(f"--tiles with a TMA-store tile at --hidden {args.hidden}: the TMA-store "
+                     "epilogue needs rows of a multiple of 16 bytes")
     if not args.name.strip():
         parser.error(f"--name {args.name!r}: expected a non-empty profile name")
     try:
@@ -318,7 +406,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         num_sms = base.gpu.num_sms
         tile_rows, store_rows = synthetic_measurements(base, args.ffn, args.ctas, num_sms,
-                                                       args.tma_store)
+                                                       args.tma_store, extra_tiles)
         profile = build_profile(
             args.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
             base.launch_overhead_us, base.store_latency_us,
@@ -341,9 +429,13 @@ def main(argv=None) -> int:
         return 2
     props = torch.cuda.get_device_properties(device)
     gpu = gpu_limits(base.gpu, props)
-    tile_rows = measure_tiles(args, device, bench_op.timed)
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
+
+    tile_rows = measure_tiles(args, device, bench_op.timed, base)
     if args.tma_store:
-        tile_rows += measure_tiles(args, device, bench_op.timed, tma_store=True)
+        tile_rows += measure_tiles(args, device, bench_op.timed, base, DEFAULT_TMA_TILE)
+    for tile in extra_tiles:
+        tile_rows += measure_tiles(args, device, bench_op.timed, base, tile)
     hbm_gbps, launch_us = measure_local(args, device, bench_op.timed)
     world = dist.get_world_size()
     if world > 1:
@@ -361,6 +453,9 @@ def main(argv=None) -> int:
                   + ("TMA-store tile time copied from the base profile (not measured: "
                      "no --tma-store).\n" if profile.extra["tma_store_copied_from_base"]
                      else "")
+                  + (f"Tile times copied from the base profile (not measured: not in "
+                     f"--tiles): {', '.join(profile.extra['tiles_copied_from_base'])}.\n"
+                     if profile.extra["tiles_copied_from_base"] else "")
                   + f"prereduce_host_us copied from the base profile ({base.name}; a host "
                     "cost, not measured here: bench_op's ours_prereduced_host - ours_host).\n"
                   + "Re-run launch/calibrate.py after kernel changes (the tile time is the "
@@ -374,7 +469,7 @@ def main(argv=None) -> int:
 
 
 def _print(p: HardwareProfile) -> None:
-    fits = {t.tma_store: t for t in p.tile_times}
+    fits = {t.key: t for t in p.tile_times}
     for t in p.tile_times:
         print(f"tile {t.bm}x{t.bn}x{t.bk}, {'TMA' if t.tma_store else 'register'} stores: "
               f"tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) us at "
@@ -385,8 +480,8 @@ def _print(p: HardwareProfile) -> None:
           f"pre-reduced host term {p.prereduce_host_us:.1f} us (from the base profile)")
     extra: Dict = p.extra
     for r in extra.get("tile_sweep", []):
-        t = fits.get(bool(r.get("tma_store", False)), p.tile_times[0])
-        print(f"  F={r['ffn']:>6} ksteps={r['ksteps']:>4}"
+        t = fits.get(_row_key(r), p.tile_times[0])
+        print(f"  {t.bm}x{t.bn}x{t.bk} F={r['ffn']:>6} ksteps={r['ksteps']:>4}"
               f"{' TMA' if r.get('tma_store') else ''} tau={r['tau_us']:.2f} us"
               + (f" (fit {t.alpha_us + t.beta_us * r['ksteps']:.2f})" if not math.isnan(
                   r["tau_us"]) else ""))

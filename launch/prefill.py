@@ -859,6 +859,19 @@ def combine_modes(model: torch.nn.Module) -> list:
     })
 
 
+def gemm2_tiles(model: torch.nn.Module) -> list:
+    """The GEMM2 tiles (`TileConfig.name`) the last Triton combine of each flag-on MoE layer
+    ran, sorted, without repeats ([] where none ran: the reference path)."""
+    from megatron_overlap.megatron import GatherRSMoELayer
+
+    return sorted({
+        m.token_dispatcher.last_tile.name
+        for m in model.modules()
+        if isinstance(m, GatherRSMoELayer) and m.gatherrs
+        and m.token_dispatcher.last_tile is not None
+    })
+
+
 class UsageError(ValueError):
     """A command-line choice that cannot run here; `main` prints it and exits with status 2."""
 
@@ -1084,7 +1097,7 @@ def time_seq(
         forward of this sequence length; None without warm-up), "symm_workspace_bytes"
         (flag on only; the workspace is made afresh for each length); "fused_calls":
         fused-op launches during the timed forwards, "combine_modes": `combine_modes` of the
-        flag-on model}.
+        flag-on model, "gemm2_tiles": `gemm2_tiles` of the flag-on model}.
 
     Raises:
         RuntimeError: the flag-on model did not launch the fused op once per fused MoE layer
@@ -1139,6 +1152,7 @@ def time_seq(
         "symm_workspace_bytes": rank_max({n: (symm if n == "on" else 0) for n in models}),
         "fused_calls": fused_calls,
         "combine_modes": combine_modes(models["on"]),
+        "gemm2_tiles": gemm2_tiles(models["on"]),
     }
 
 
@@ -1257,6 +1271,7 @@ def make_rows(
                 "backend": info["backend"] if on else "megatron-alltoall",
                 "fused_calls": timing["fused_calls"] if on else 0,
                 "combine_modes": timing["combine_modes"] if on else [],
+                "gemm2_tiles": timing["gemm2_tiles"] if on else [],
                 "timing_order": TIMING_ORDER,
                 "ms_p20": percentile(ms, 20),
                 "ms_p50": p50[name],

@@ -40,8 +40,9 @@ def main() -> int:
     from megatron_overlap.models import load_model_shape
     from megatron_overlap.ops.triton_gemm2_gatherrs import (
         _Call,
-        default_tile,
+        call_resources,
         epilogue_stores_tma,
+        plan_call,
     )
     from megatron_overlap.resource import plan_gemm2_gatherrs
     from megatron_overlap.symm import destroy_workspaces, get_workspace
@@ -61,13 +62,15 @@ def main() -> int:
                      device=device).to(torch.bfloat16)
     group = dist.group.WORLD if world > 1 else None
     opts = GatherRSOptions(backend="triton", prereduce=False)  # _Call below: direct mode
-    call_tile = default_tile(device, meta.group_size)  # the op's tile for this group
-    plan = plan_gemm2_gatherrs(meta, opts,
-                               num_sms=torch.cuda.get_device_properties(device)
-                               .multi_processor_count,
-                               hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
-                               recv_rows=int(maps[rank].sum()),
-                               tma_store=epilogue_stores_tma(call_tile, shape.hidden_size, 2))
+    # the op's tile and plan for this group (the resource manager's choice, `plan_call`)
+    choice = plan_call(meta, opts, device=device,
+                       num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+                       hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size, elem_bytes=2,
+                       recv_rows=int(maps[rank].sum()),
+                       resources=lambda t: call_resources(
+                           h.dtype, shape.moe_ffn_hidden_size, shape.hidden_size, 1,
+                           shape.moe_router_topk, shape.num_moe_experts, t))
+    call_tile, plan = choice.tile, choice.plan
     ws = get_workspace(group, hidden=shape.hidden_size, dtype=h.dtype, device=device)
 
     stages = {"prepare": [], "(unused)": [], "gemm launch": [], "finalize launch": [],
@@ -76,7 +79,7 @@ def main() -> int:
     def one(record: bool):
         t0 = time.perf_counter()
         call = _Call(meta, ws, plan, hidden=shape.hidden_size, dtype=h.dtype, device=device,
-                     timeout_s=30.0)
+                     timeout_s=30.0, tile=call_tile)
         t1 = t2 = time.perf_counter()
         call.send(h, w2)
         t3 = time.perf_counter()
@@ -122,10 +125,15 @@ def main() -> int:
         ws.check_errors(block=True)
     opts_plan = dict(num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
                      tma_store=epilogue_stores_tma(call_tile, shape.hidden_size, 2),
+                     tile=(call_tile.bm, call_tile.bn, call_tile.bk),
                      hidden=shape.hidden_size, ffn=shape.moe_ffn_hidden_size,
                      recv_rows=int(maps[rank].sum()))
     prims = {
         "plan_gemm2_gatherrs": lambda: plan_gemm2_gatherrs(meta, opts, **opts_plan),
+        "plan_call (every candidate tile)": lambda: plan_call(
+            meta, opts, device=device, num_sms=opts_plan["num_sms"], hidden=shape.hidden_size,
+            ffn=shape.moe_ffn_hidden_size, elem_bytes=2, recv_rows=opts_plan["recv_rows"],
+            resources=lambda t: None),
         "torch.cuda.current_stream(device)": lambda: torch.cuda.current_stream(device),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
         "torch.cuda.current_device()": lambda: torch.cuda.current_device(),

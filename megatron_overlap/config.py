@@ -35,6 +35,12 @@ TMA_STORE_ENV = "MEGATRON_OVERLAP_TMA_STORE"
 through a TMA descriptor per tile, asynchronous (`TileConfig.tma_store`), "0" from
 registers; unset: TMA at world 1, registers at world > 1 (`TMA_STORE_DEFAULT_MAX_WORLD`)."""
 
+TILE_CHOICE_ENV = "MEGATRON_OVERLAP_TILE_CHOICE"
+"""Whether the resource manager picks the GEMM2 tile of each call (`tile_choice_enabled`):
+"1" among `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` by the wave model
+(`ops.triton_gemm2_gatherrs.plan_call`), "0" always the default tile (`default_tile`);
+unset: the choice at world 1 (`TILE_CHOICE_DEFAULT_MAX_WORLD`), the default tile above."""
+
 HOST_TABLES_ENV = "MEGATRON_OVERLAP_HOST_TABLES"
 """How a direct call's host tables (segments, finalize bases, arrival targets) reach its
 staging buffer (`host_tables_mode`): "fused" (default: one call of
@@ -81,6 +87,7 @@ def check_environment() -> None:
     host_cache_enabled()
     host_splits_enabled()
     tma_store_enabled(1)
+    tile_choice_enabled(1)
     fast_launch_enabled()
     load_profile()
     implementation()
@@ -91,7 +98,8 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
                         row_bytes: int | None = None) -> dict:
     """The effective values of the fused path's per-call variables for calls over
     `world_size` ranks (the TP x EP group), as the benchmarks' rows record them:
-    {"tma_store": bool, "tma_store_env": "" | "0" | "1", "tile_list": "device" | "host",
+    {"tma_store": bool, "tma_store_env": "" | "0" | "1", "tile_choice": bool,
+    "tile_choice_env": "" | "0" | "1", "tile_list": "device" | "host",
     "host_tables": "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache":
     bool, "host_splits": bool, "hw_profile": str} (unset and empty read as the defaults).
     `hw_profile` is the `name` of the hardware profile the resource manager plans with
@@ -103,7 +111,11 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
     flag-on path runs no GPU kernel: the CPU, the reference backend) or where `row_bytes`
     (the output rows' bytes, H x element size, if given) fails `tma_rows_aligned` (the
     register fallback of `ops.triton_gemm2_gatherrs.epilogue_stores_tma`); `tma_store_env`
-    is the variable as set ("" unset), the same in every layout of a run.
+    is the variable as set ("" unset), the same in every layout of a run. `tma_store`
+    describes the default tile (`ops.triton_gemm2_gatherrs.default_tile`); where
+    `tile_choice` is true (`tile_choice_enabled(world_size)` on the GPU path) a call may run
+    another of `TILE_CANDIDATES` (the launchers' rows record the tile each flag-on call
+    ran: `gemm2_tile`, `gemm2_tiles`); `tile_choice_env` is that variable as set.
 
     Raises:
         ValueError: a bad value (as `check_environment`); TypeError / ValueError: a bad
@@ -113,9 +125,12 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
     from megatron_overlap.resource.profile import load_profile
 
     tma = tma_store_enabled(world_size)  # (checks the variable and world_size everywhere)
+    choice = tile_choice_enabled(world_size)
     aligned = row_bytes is None or tma_rows_aligned(row_bytes)
     return {"tma_store": bool(triton_gpu) and aligned and tma,
             "tma_store_env": getenv(TMA_STORE_ENV, ""),
+            "tile_choice": bool(triton_gpu) and choice,
+            "tile_choice_env": getenv(TILE_CHOICE_ENV, ""),
             "tile_list": tile_list_source(),
             "host_tables": host_tables_mode(), "fast_launch": fast_launch_mode(),
             "host_cache": host_cache_enabled(), "host_splits": host_splits_enabled(),
@@ -225,6 +240,37 @@ into a peer GPU's buffer over NVLink have run only emulated on one GPU (v5.6), n
 two."""
 
 
+def tile_choice_enabled(world_size: int) -> bool:
+    """$MEGATRON_OVERLAP_TILE_CHOICE: whether a call over `world_size` ranks (its TP x EP
+    group) on the GPU lets the resource manager pick its GEMM2 tile among
+    `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` (`ops.triton_gemm2_gatherrs.plan_call`):
+    "1" always, "0" never (the default tile, `default_tile`); unset or empty: where
+    `world_size <= TILE_CHOICE_DEFAULT_MAX_WORLD`.
+
+    Raises:
+        TypeError: world_size is not an int.
+        ValueError: world_size < 1; the variable is anything other than "0" or "1".
+    """
+    _check_world_size(world_size)
+    return _zero_or_one(TILE_CHOICE_ENV, world_size <= TILE_CHOICE_DEFAULT_MAX_WORLD)
+
+
+TILE_CHOICE_DEFAULT_MAX_WORLD = 1
+"""Where $MEGATRON_OVERLAP_TILE_CHOICE is unset, the GEMM2 tile is chosen per call for
+process groups of at most this many ranks, the default tile is kept above. World 1: every
+tile is local, so the choice changes the GEMM2's waves and tile rate only
+(docs/perf_notes.md v6.1). World > 1: a tile of other rows also changes the segments and
+when the first remote-bound tile is done, which no 2-GPU run has measured yet."""
+
+
+def _check_world_size(world_size) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size={world_size!r}: expected an int (ranks of the call's "
+                        "TP x EP group)")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: expected >= 1")
+
+
 def tma_rows_aligned(row_bytes: int) -> bool:
     """Whether output rows of `row_bytes` bytes (H x element size) can be stored through a
     TMA descriptor, whose row stride must be a multiple of 16 bytes; elsewhere the
@@ -242,11 +288,7 @@ def tma_store_enabled(world_size: int) -> bool:
         TypeError: world_size is not an int.
         ValueError: world_size < 1; the variable is anything other than "0" or "1".
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size={world_size!r}: expected an int (ranks of the call's "
-                        "TP x EP group)")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size}: expected >= 1")
+    _check_world_size(world_size)
     return _zero_or_one(TMA_STORE_ENV, world_size <= TMA_STORE_DEFAULT_MAX_WORLD)
 
 

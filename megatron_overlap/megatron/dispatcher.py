@@ -173,6 +173,8 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._was_prepared = False
         self.num_plans = 0  # resource-manager calls so far (one per forward)
         self.last_combine = None  # what ran the last combine: "reference", "direct", "prereduced"
+        # the GEMM2 TileConfig of the last Triton combine (None: none yet, or the reference)
+        self.last_tile = None
         self._keep_counts = False  # preprocess keeps Megatron's gathered counts (Triton path)
         self._triton = False  # this forward's combine runs the Triton kernels
         self._megatron_counts = None
@@ -487,24 +489,21 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         me = self.ep_rank * self.tp_size + self.tp_rank  # rows of my tokens, x TP partials:
         recv_rows = int(self._counts[me, : self.num_experts].sum())
-        from megatron_overlap.ops.triton_gemm2_gatherrs import (
-            call_resources,
-            default_tile,
-            epilogue_stores_tma,
-        )
+        from megatron_overlap.ops.triton_gemm2_gatherrs import call_resources, plan_call
 
-        # the call's tile (for its TP x EP group), for its plan and its preparation
-        tile = default_tile(h_like.device, self.metadata.group_size)
+        # the call's tile and plan (for its TP x EP group): the resource manager's choice
+        # (`plan_call`), for its preparation
         with span("mo.plan"):
-            self.plan = plan_gemm2_gatherrs(
+            choice = plan_call(
                 self.metadata, self.options if self._triton else self._direct_options,
-                num_sms=self._num_sms, hidden=w2.shape[1],
+                device=h_like.device, num_sms=self._num_sms, hidden=w2.shape[1],
                 ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                 recv_rows=recv_rows * self.tp_size,
-                kernel=call_resources(h_like.dtype, w2.shape[2], w2.shape[1], self.tp_size,
-                                      self.config.moe_router_topk, self.num_experts, tile),
-                # the tile time of the epilogue the call will run
-                tma_store=epilogue_stores_tma(tile, w2.shape[1], h_like.element_size()))
+                resources=lambda t: call_resources(
+                    h_like.dtype, w2.shape[2], w2.shape[1], self.tp_size,
+                    self.config.moe_router_topk, self.num_experts, t))
+        self.plan, tile = choice.plan, choice.tile
+        self.last_tile = tile if self._triton else None
         self.num_plans += 1
         group = self.tp_ep_group if self.metadata.group_size > 1 else None
         maps = None

@@ -140,9 +140,12 @@ def prepare_gemm2_gatherrs(
             here when None (a collective and a host sync); with "auto" and None the call
             runs direct even where the plan chose "prereduce" (no hidden collective).
             Every rank must pass them alike (all or none). Ignored in the direct mode.
-        tile: the call's `TileConfig` (`ops.triton_gemm2_gatherrs`); None:
-            `default_tile(h_like.device, meta.group_size)`, read here once for the plan and the
-            call.
+        tile: the call's `TileConfig` (`ops.triton_gemm2_gatherrs`); None: with `plan`
+            None, the tile the resource manager picks with the plan
+            (`ops.triton_gemm2_gatherrs.plan_call`: at world 1 the faster of the default
+            tile and `TILE_CANDIDATES` by the wave model, $MEGATRON_OVERLAP_TILE_CHOICE);
+            with a `plan` given, `default_tile(h_like.device, meta.group_size)` (the tile
+            such a plan is made for). Read here once for the plan and the call.
 
     Returns:
         A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
@@ -167,25 +170,36 @@ def prepare_gemm2_gatherrs(
         compiled_resources,
         default_tile,
         epilogue_stores_tma,
+        plan_call,
     )
     from megatron_overlap.symm import get_workspace
 
-    if tile is None:
-        tile = default_tile(h_like.device, meta.group_size)
     if plan is None:
         num_sms = torch.cuda.get_device_properties(h_like.device).multi_processor_count
         plan_options = options
         if options.prereduce == "auto" and routing_maps is None:  # runs direct (see below)
             plan_options = dataclasses.replace(options, prereduce=False)
-        plan = plan_gemm2_gatherrs(meta, plan_options, num_sms=num_sms, hidden=w2.shape[1],
-                                   ffn=w2.shape[2], elem_bytes=h_like.element_size(),
-                                   kernel=compiled_resources(
-                                       h_like.dtype, w2.shape[2], w2.shape[1], tile)
-                                   if meta.routing_map is None else call_resources(
-                                       h_like.dtype, w2.shape[2], w2.shape[1], meta.tp_size,
-                                       meta.topk, meta.routing_map.shape[1], tile),
-                                   tma_store=epilogue_stores_tma(tile, w2.shape[1],
-                                                                 h_like.element_size()))
+
+        def resources(t):
+            if meta.routing_map is None:
+                return compiled_resources(h_like.dtype, w2.shape[2], w2.shape[1], t)
+            return call_resources(h_like.dtype, w2.shape[2], w2.shape[1], meta.tp_size,
+                                  meta.topk, meta.routing_map.shape[1], t)
+
+        if tile is None:  # the resource manager picks the tile with the plan
+            choice = plan_call(meta, plan_options, device=h_like.device, hidden=w2.shape[1],
+                               ffn=w2.shape[2], elem_bytes=h_like.element_size(),
+                               num_sms=num_sms, resources=resources)
+            tile, plan = choice.tile, choice.plan
+        else:
+            plan = plan_gemm2_gatherrs(meta, plan_options, num_sms=num_sms,
+                                       hidden=w2.shape[1], ffn=w2.shape[2],
+                                       elem_bytes=h_like.element_size(),
+                                       kernel=resources(tile),
+                                       tma_store=epilogue_stores_tma(tile, w2.shape[1],
+                                                                     h_like.element_size()))
+    elif tile is None:
+        tile = default_tile(h_like.device, meta.group_size)
     workspace = get_workspace(group, hidden=w2.shape[1], dtype=h_like.dtype,
                               device=h_like.device)
     # plan.mode is the same on every rank (options, group-wide counts). An "auto" choice of

@@ -56,7 +56,12 @@ from megatron_overlap.kernels import gemm2_gatherrs as k
 from megatron_overlap.kernels.launch import FastLauncher
 from megatron_overlap.metadata import GatherRSMetadata, chunk_to_group_rank
 from megatron_overlap.profiling import span
-from megatron_overlap.resource import KernelResources, Plan, kernel_resources_from_compiled
+from megatron_overlap.resource import (
+    HardwareProfile,
+    KernelResources,
+    Plan,
+    kernel_resources_from_compiled,
+)
 from megatron_overlap.symm import GatherRSWorkspace
 
 try:  # the C++ `direct_layout` (csrc/layout.cpp), built by setup.py; else the numpy twin
@@ -111,6 +116,15 @@ class TileConfig:
                              f"rotate={self.rotate}): tma_store and rotate need the static "
                              "schedule (static=True)")
 
+    @property
+    def name(self) -> str:
+        """The configuration as `launch/bench_op.py --variants` spells it, e.g.
+        "128x256x64w8s3tma" (BMxBNxBK, wWARPS, sSTAGES, then "dyn" for atomic claims, "tma"
+        for the TMA-store epilogue, "rot" for rotated waves); the rows' `gemm2_tile`."""
+        return (f"{self.bm}x{self.bn}x{self.bk}w{self.num_warps}s{self.num_stages}"
+                f"{'' if self.static else 'dyn'}{'tma' if self.tma_store else ''}"
+                f"{'rot' if self.rotate else ''}")
+
 
 DEFAULT_TILE = TileConfig()
 """The GPU's tile with the epilogue's stores from registers (measured choice:
@@ -118,6 +132,18 @@ docs/perf_notes.md): `default_tile`'s at world > 1 unless $MEGATRON_OVERLAP_TMA_
 DEFAULT_TMA_TILE = dataclasses.replace(DEFAULT_TILE, tma_store=True)
 """`DEFAULT_TILE` with the epilogue's stores through TMA descriptors: `default_tile`'s at
 world 1 unless $MEGATRON_OVERLAP_TMA_STORE=0 (`megatron_overlap.config.tma_store_enabled`)."""
+WIDE_TILE = TileConfig(bm=256, bn=128, bk=64, num_warps=8, num_stages=4)
+"""256 x 128 x 64, 8 warps, 4 pipeline stages, stores from registers (4 x 48 KiB of stages
+leave no room for the TMA store's 64 KiB staging tile): on one H100 7-11 % less time per
+tile than `DEFAULT_TMA_TILE` at Mixtral's and Phi-3.5's long K (F 14336 / 6400), 12-27 %
+more producer time on the fine-grained shapes (F <= 1408; docs/perf_notes.md v6.0, v6.1).
+Offered to the resource manager by `plan_call` (`TILE_CANDIDATES`) where the hardware
+profile has its tile time (`launch/calibrate.py --tiles`)."""
+TILE_CANDIDATES = (WIDE_TILE,)
+"""The tiles `plan_call` may choose besides the call's default tile (`default_tile`), each
+only where the hardware profile has a tile time of its shape and epilogue
+(`HardwareProfile.has_tile_time`). A profile's entry for a shape is the time of the
+configuration listed here (or of `DEFAULT_TILE` / `DEFAULT_TMA_TILE`) for that shape."""
 INTERPRETER_TILE = TileConfig(16, 16, 16, num_warps=4, num_stages=1)
 """Small tiles for the Triton interpreter (speed)."""
 FINALIZE_BLOCK = (32, 128)
@@ -156,6 +182,82 @@ def epilogue_stores_tma(tile: TileConfig, hidden: int, elem_bytes: int) -> bool:
     bytes (a TMA descriptor's row stride); else it stores from registers. The planner
     takes the matching tile time (`plan_gemm2_gatherrs(..., tma_store=...)`)."""
     return tile.tma_store and tma_rows_aligned(hidden * elem_bytes)
+
+
+TILE_CHOICE_MARGIN = 0.02
+"""`plan_call` takes a candidate over the default tile only where the model predicts it at
+least this fraction faster (2 %): the tile-time fits' residuals on one H100 are ~1-2 % of
+a tile's time (docs/perf_notes.md v6.1), so a smaller predicted gain is within the model's
+own error, and the default tile is the measured one on every shape."""
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """`plan_call`'s result: the tile the call runs, its plan, and the model's predicted
+    time of every tile it compared (`Plan.predicted_us`, microseconds; the default tile
+    first), by `TileConfig.name`."""
+
+    tile: TileConfig
+    plan: Plan
+    predicted_us: dict
+
+
+def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: int,
+              ffn: int, elem_bytes: int, num_sms: int, resources, recv_rows=None,
+              profile=None) -> TileChoice:
+    """The GEMM2 tile and the plan of one call: the resource manager's wave model
+    (`resource.plan_gemm2_gatherrs`, C++ solver) run for the call's default tile
+    (`default_tile(device, meta.group_size)`) and, where `tile_choice_enabled(group size)`
+    and the call runs on CUDA, for each of `TILE_CANDIDATES` the hardware profile has a
+    tile time for; the candidate with the smallest predicted time wins if it beats the
+    default's by `TILE_CHOICE_MARGIN`. Nothing is measured, compiled or launched: the tile
+    counts come from the routing metadata (ceil(rows / BM) x ceil(H / BN) per expert), the
+    tile times from the profile (tau(F) = alpha + beta x ceil(F / BK)), the time from whole
+    waves of the grid (DESIGN.md §4).
+
+    Args:
+        meta, options: as `plan_gemm2_gatherrs`.
+        device: the call's device (CPU: the interpreter's tile, no choice).
+        hidden, ffn: H, F of the call; elem_bytes: bytes per element of h.
+        num_sms: the GPU's SMs (None: no model, as `plan_gemm2_gatherrs`; the default
+            tile).
+        resources: callable TileConfig -> `KernelResources` or None (the compiled GEMM2
+            kernel's for that tile, e.g. `call_resources(..., tile)`; None before its
+            first launch: the planner's default, one CTA per SM).
+        recv_rows, profile: as `plan_gemm2_gatherrs`.
+
+    Returns:
+        A `TileChoice`.
+
+    Raises:
+        as `plan_gemm2_gatherrs` and `default_tile`; ValueError: a bad
+        $MEGATRON_OVERLAP_TILE_CHOICE.
+    """
+    from megatron_overlap.config import tile_choice_enabled
+    from megatron_overlap.resource import load_profile, plan_gemm2_gatherrs
+
+    default = default_tile(device, meta.group_size)
+    tiles = [default]
+    if (tile_choice_enabled(meta.group_size) and torch.device(device).type == "cuda"
+            and num_sms is not None):
+        prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+        tiles += [t for t in TILE_CANDIDATES if t != default and prof.has_tile_time(
+            t.bm, t.bn, t.bk, epilogue_stores_tma(t, hidden, elem_bytes))]
+    best = None
+    predicted = {}
+    for tile in tiles:
+        plan = plan_gemm2_gatherrs(
+            meta, options, num_sms=num_sms, hidden=hidden, ffn=ffn, elem_bytes=elem_bytes,
+            recv_rows=recv_rows, kernel=resources(tile), profile=profile,
+            tile=(tile.bm, tile.bn, tile.bk),
+            tma_store=epilogue_stores_tma(tile, hidden, elem_bytes))
+        predicted[tile.name] = plan.predicted_us
+        if best is None:
+            best = (tile, plan)
+        elif (plan.predicted_us is not None and best[1].predicted_us is not None
+              and plan.predicted_us < (1.0 - TILE_CHOICE_MARGIN) * best[1].predicted_us):
+            best = (tile, plan)
+    return TileChoice(tile=best[0], plan=best[1], predicted_us=predicted)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -189,6 +189,12 @@ class HardwareProfile:
         for key in _NONNEGATIVE_FLOATS:
             _check_float(key, getattr(self, key), positive=False)
 
+    def has_tile_time(self, bm: int, bn: int, bk: int, tma_store: bool = False) -> bool:
+        """Whether the profile has an entry of exactly this shape and epilogue (no
+        fallback, no warning: `ops.triton_gemm2_gatherrs.plan_call` offers the resource
+        manager only the candidate tiles a profile has measured)."""
+        return any(t.key == (bm, bn, bk, tma_store) for t in self.tile_times)
+
     def tile_time(self, bm: int, bn: int, bk: int, tma_store: bool = False) -> TileTime:
         """The tile time model of shape (bm, bn, bk) with the register-store epilogue, or
         with the TMA-store one (`tma_store`). A profile without a TMA-store entry for the
@@ -218,8 +224,8 @@ class HardwareProfile:
         raise ValueError(f"hardware profile {self.name!r} has no tile time for tile "
                          f"{bm}x{bn}x{bk}; it has {sorted({t.shape for t in self.tile_times})} "
                          "(launch/calibrate.py measures the default tile "
-                         "megatron_overlap.resource.DEFAULT_TILE only: plan for that tile, or "
-                         "add a tile_times entry for this shape to the profile YAML)")
+                         "megatron_overlap.resource.DEFAULT_TILE and, with --tiles, others: "
+                         "plan for a tile the profile has, or calibrate this one)")
 
     def to_dict(self) -> dict:
         """Plain dict in the YAML layout (`save_profile`)."""

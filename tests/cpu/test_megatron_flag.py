@@ -127,6 +127,8 @@ def _run_layer_case(case: LayerCase, layout, device: str = "cpu") -> dict:
     results["num_plans"] = ours_on.token_dispatcher.num_plans
     results["last_combine"] = ours_on.token_dispatcher.last_combine
     results["plan_mode"] = ours_on.token_dispatcher.plan.mode
+    tile = ours_on.token_dispatcher.last_tile  # the Triton combine's GEMM2 tile (else None)
+    results["last_tile"] = None if tile is None else tile.name
     if case.check_grads:
         results["grad_x_mismatch"] = describe_mismatch(grads["on"][0], grads["stock"][0],
                                                        rel_tol=tol)

@@ -97,9 +97,10 @@ def _run_tile(case: OpCase, rank: int, tile, poison: bool = False) -> torch.Tens
 
 def _tile_variants() -> dict:
     """GEMM2 tile configurations besides the default, checked against the dense formula."""
-    from megatron_overlap.ops.triton_gemm2_gatherrs import TileConfig
+    from megatron_overlap.ops.triton_gemm2_gatherrs import WIDE_TILE, TileConfig
 
-    return {"128x256 s4": TileConfig(num_stages=4),
+    return {"256x128 s4 (WIDE_TILE)": WIDE_TILE,
+            "128x256 s4": TileConfig(num_stages=4),
             "128x128 w4 s3": TileConfig(bn=128, num_warps=4),
             "128x128 s3 dynamic": TileConfig(bn=128, static=False)}
 
@@ -503,3 +504,64 @@ def test_gemm_only_stores_the_calls_rows_and_leaves_its_tables():
             assert int(call._gemm_only_tiles[:, 4].ne(call.rank).sum()) == 0
     finally:
         destroy_workspaces()
+
+
+def _fast_wide_tile_profile(tmp_path):
+    """A profile YAML in which `WIDE_TILE` is 100x faster than the default tile, so that the
+    resource manager's tile choice (`plan_call`) picks it for every call."""
+    from megatron_overlap.ops.triton_gemm2_gatherrs import WIDE_TILE
+    from megatron_overlap.resource.profile import TileTime, load_profile, save_profile
+
+    base = load_profile()
+    fast = TileTime(WIDE_TILE.bm, WIDE_TILE.bn, WIDE_TILE.bk, ctas_per_sm=1,
+                    alpha_us=0.01, beta_us=0.001)
+    prof = dataclasses.replace(base, name="fast-wide-tile", tile_times=tuple(
+        t for t in base.tile_times if not t.key == fast.key) + (fast,))
+    path = tmp_path / "fast-wide-tile.yaml"
+    save_profile(prof, path)
+    return path
+
+
+def test_tile_choice_runs_the_chosen_tile_through_the_op_and_the_layer(tmp_path,
+                                                                       monkeypatch):
+    """Where the resource manager picks `WIDE_TILE` (a profile that makes it the fastest),
+    the op runs it (`prepare_gemm2_gatherrs` without a tile) and matches the reference on
+    the world-1 cases (uniform, 64 experts skewed, experts without tokens, one token, H 4096);
+    `MEGATRON_OVERLAP_TILE_CHOICE=0` keeps the default tile; the Megatron layer's flag-on
+    combine runs the chosen tile too and matches flag off. World 1 (the choice's default
+    scope; the layer's ranks spawned)."""
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import gemm2_gatherrs, prepare_gemm2_gatherrs
+    from megatron_overlap.ops.triton_gemm2_gatherrs import WIDE_TILE, default_tile
+    from megatron_overlap.symm import destroy_workspaces
+
+    monkeypatch.setenv("MEGATRON_OVERLAP_HW_PROFILE", str(_fast_wide_tile_profile(tmp_path)))
+    opts = GatherRSOptions(backend="triton", timeout_s=20.0, prereduce=False)
+    try:
+        with torch.no_grad():
+            for case in [c for i, c in enumerate(_op_cases(1)) if i in (1, 2, 3, 4, 6)]:
+                h, w2, meta = rank_operands(case, 0)
+                h, w2, meta = h.cuda(), w2.cuda(), meta.to("cuda")
+                call = prepare_gemm2_gatherrs(h, w2, meta, group=None, options=opts)
+                assert call.tile == WIDE_TILE, (case, call.tile)
+                out = call.run(h, w2)
+                ref = gemm2_gatherrs(h, w2, meta, group=None,
+                                     options=GatherRSOptions(backend="reference"))
+                torch.cuda.synchronize()
+                problem = describe_mismatch(out.cpu(), ref.cpu(), rel_tol=BF16_TOL)
+                assert problem is None, (case, problem)
+                del call
+            monkeypatch.setenv("MEGATRON_OVERLAP_TILE_CHOICE", "0")
+            call = prepare_gemm2_gatherrs(h, w2, meta, group=None, options=opts)
+            assert call.tile == default_tile(h.device, 1)
+            del call
+            monkeypatch.delenv("MEGATRON_OVERLAP_TILE_CHOICE")
+    finally:
+        destroy_workspaces()
+    cases = [dataclasses.replace(c, dtype=torch.bfloat16, check_grads=False, backend="triton",
+                                 prereduce=False)
+             for c in flag_suite._cases(1) if not c.model]
+    results = run_distributed(flag_suite._worker, 1, cases, timeout_s=300,
+                              backend="nccl", device="cuda")
+    flag_suite.check_results(1, cases, results)
+    assert {res["last_tile"] for res in results[0]} == {WIDE_TILE.name}, results[0]

@@ -1,0 +1,265 @@
+"""The resource manager's per-call GEMM2 tile choice (`ops.triton_gemm2_gatherrs.plan_call`)
+on the CPU: the wave model behind it (whole waves of the grid x the profile's tile time),
+the margin, the candidates a profile offers, the variable that turns it off, the tile names
+the rows record, and calibrate.py's --tiles. Nothing here launches a kernel: `plan_call`
+plans for a CUDA device without touching one."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_overlap import config
+from megatron_overlap.config import GatherRSOptions
+from megatron_overlap.metadata import triton_metadata
+from megatron_overlap.ops import triton_gemm2_gatherrs as op
+from megatron_overlap.resource.profile import TileTime, load_profile, save_profile
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA = torch.device("cuda")  # a device name only: nothing is allocated on it
+NUM_SMS = 132
+H, F = 4096, 14336  # Mixtral's expert: 224 K steps of 64
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_launch_{name}", REPO / "launch" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _meta(rows_per_expert, group=(1, 1)):
+    """World-1 metadata (or this rank of a TP x EP group, every rank alike) whose local
+    experts get `rows_per_expert` rows each."""
+    tp, ep = group
+    experts = len(rows_per_expert) * ep
+    counts = np.tile(np.array(list(rows_per_expert) * ep, dtype=np.int64), (tp * ep, 1))
+    tokens = max(1, int(counts[0].sum()))
+    return triton_metadata(counts, tp_size=tp, tp_rank=0, ep_size=ep, ep_rank=0, topk=1,
+                           routing_map=torch.zeros(tokens, experts, dtype=torch.bool))
+
+
+def _profile(wide_ratio: float, base: str = "h100"):
+    """`base` with a `WIDE_TILE` tile time of `wide_ratio` x its default TMA-store tile's."""
+    prof = load_profile(base)
+    d = prof.tile_time(128, 256, 64, tma_store=True)
+    w = op.WIDE_TILE
+    wide = TileTime(w.bm, w.bn, w.bk, ctas_per_sm=1, alpha_us=d.alpha_us * wide_ratio,
+                    beta_us=d.beta_us * wide_ratio)
+    return dataclasses.replace(prof, name=f"wide-{wide_ratio}", tile_times=tuple(
+        t for t in prof.tile_times if t.key != wide.key) + (wide,))
+
+
+def _choose(meta, profile, device=CUDA, num_sms=NUM_SMS, hidden=H, ffn=F):
+    return op.plan_call(meta, GatherRSOptions(backend="triton"), device=device, hidden=hidden,
+                        ffn=ffn, elem_bytes=2, num_sms=num_sms, resources=lambda t: None,
+                        profile=profile)
+
+
+def _waves(rows_per_expert, bm, bn, hidden=H):
+    tiles = sum(math.ceil(r / bm) for r in rows_per_expert) * math.ceil(hidden / bn)
+    return math.ceil(tiles / NUM_SMS)
+
+
+@pytest.fixture(autouse=True)
+def _no_variables(monkeypatch):
+    for name in (config.TILE_CHOICE_ENV, config.TMA_STORE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_faster_tile_in_whole_waves_wins():
+    """Equal waves (1024 rows per expert: 8 x 16 tiles of 128 x 256 per expert = 8 x 32 of
+    256 x 128): the tile 10 % faster per tile wins, and the two predictions differ by exactly
+    the GEMM2 term, waves x tau(F) (the launch, finalize and latency terms are the same)."""
+    rows = [1024] * 8
+    prof = _profile(0.9)
+    choice = _choose(_meta(rows), prof)
+    assert choice.tile == op.WIDE_TILE
+    default, wide = op.DEFAULT_TMA_TILE.name, op.WIDE_TILE.name
+    assert list(choice.predicted_us) == [default, wide]  # the default tile first
+    assert choice.plan.predicted_us == choice.predicted_us[wide]
+    ks = F // 64
+    tau_d = prof.tile_time(128, 256, 64, tma_store=True)
+    tau_w = prof.tile_time(256, 128, 64)
+    gemm_d = _waves(rows, 128, 256) * (tau_d.alpha_us + tau_d.beta_us * ks)
+    gemm_w = _waves(rows, 256, 128) * (tau_w.alpha_us + tau_w.beta_us * ks)
+    assert _waves(rows, 128, 256) == _waves(rows, 256, 128) == 8
+    assert (choice.predicted_us[default] - choice.predicted_us[wide]
+            == pytest.approx(gemm_d - gemm_w, abs=1e-3))
+    assert choice.plan.breakdown.local_tiles == 8 * 4 * 32  # counted with BM 256, BN 128
+
+
+def test_a_wave_more_cancels_a_faster_tile():
+    """1100 rows per expert: 9 x 16 x 8 = 1152 tiles of 128 x 256 (9 waves on 132 SMs)
+    against 5 x 32 x 8 = 1280 of 256 x 128 (10 waves): 10 % per tile buys nothing, so the
+    default tile stays; with 20 % it wins again."""
+    rows = [1100] * 8
+    assert (_waves(rows, 128, 256), _waves(rows, 256, 128)) == (9, 10)
+    assert _choose(_meta(rows), _profile(0.9)).tile == op.DEFAULT_TMA_TILE
+    assert _choose(_meta(rows), _profile(0.8)).tile == op.WIDE_TILE
+
+
+def test_a_gain_within_the_margin_keeps_the_default_tile():
+    rows = [1024] * 8
+    just_below = 1.0 - op.TILE_CHOICE_MARGIN * 1.6  # the GEMM2 term is most of the call
+    assert _choose(_meta(rows), _profile(0.995)).tile == op.DEFAULT_TMA_TILE
+    assert _choose(_meta(rows), _profile(1.0)).tile == op.DEFAULT_TMA_TILE
+    assert _choose(_meta(rows), _profile(just_below)).tile == op.WIDE_TILE
+    assert _choose(_meta(rows), _profile(1.2)).tile == op.DEFAULT_TMA_TILE
+
+
+def test_only_tiles_the_profile_has_are_offered():
+    """The shipped H200 profile has no `WIDE_TILE` time: only the default tile is planned
+    (no warning, no error); neither on the CPU (the interpreter's tile) nor without an SM
+    count is there a choice."""
+    import warnings
+
+    assert not load_profile("h200").has_tile_time(256, 128, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choice = _choose(_meta([1024] * 8), "h200")
+    assert choice.tile == op.DEFAULT_TMA_TILE and list(choice.predicted_us) == [
+        op.DEFAULT_TMA_TILE.name]
+    cpu = _choose(_meta([1024] * 8), _profile(0.5), device=torch.device("cpu"), num_sms=None)
+    assert cpu.tile == op.INTERPRETER_TILE and cpu.plan.source == "cpu"
+    none = _choose(_meta([1024] * 8), _profile(0.5), num_sms=None)
+    assert none.tile == op.DEFAULT_TMA_TILE and none.plan.num_ctas is None
+
+
+def test_the_shipped_h100_profile_offers_the_wide_tile():
+    prof = load_profile("h100")
+    w = op.WIDE_TILE
+    assert prof.has_tile_time(w.bm, w.bn, w.bk, False)
+    assert not prof.has_tile_time(w.bm, w.bn, w.bk, True)
+    choice = _choose(_meta([1024] * 8), "h100")
+    assert set(choice.predicted_us) == {op.DEFAULT_TMA_TILE.name, w.name}
+
+
+@pytest.mark.parametrize("value, world, considered", [
+    ("", 1, True), ("", 2, False), ("0", 1, False), ("1", 1, True), ("1", 2, True),
+    ("0", 4, False)])
+def test_the_variable_turns_the_choice_on_and_off(monkeypatch, value, world, considered):
+    monkeypatch.setenv(config.TILE_CHOICE_ENV, value)
+    assert config.TILE_CHOICE_DEFAULT_MAX_WORLD == 1
+    assert config.tile_choice_enabled(world) is considered
+    group = {1: (1, 1), 2: (1, 2), 4: (2, 2)}[world]
+    choice = _choose(_meta([1024] * 8, group), _profile(0.5))
+    default = op.default_tile(CUDA, world)
+    assert choice.tile == (op.WIDE_TILE if considered else default)
+    assert len(choice.predicted_us) == (2 if considered else 1)
+    settings = config.fused_path_settings(world)
+    assert settings["tile_choice"] is considered and settings["tile_choice_env"] == value
+    assert config.fused_path_settings(world, triton_gpu=False)["tile_choice"] is False
+
+
+@pytest.mark.parametrize("value", ["yes", "true", " 1", "2"])
+def test_a_bad_variable_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(config.TILE_CHOICE_ENV, value)
+    for call in (lambda: config.tile_choice_enabled(1), config.check_environment,
+                 lambda: _choose(_meta([64] * 4), _profile(0.5))):
+        with pytest.raises(ValueError, match=f"MEGATRON_OVERLAP_TILE_CHOICE={value!r}"):
+            call()
+
+
+@pytest.mark.parametrize("world, error", [(0, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_tile_choice_enabled_refuses_a_bad_world_size(world, error):
+    with pytest.raises(error, match=f"world_size={world!r}"):
+        config.tile_choice_enabled(world)
+
+
+def test_tile_names_round_trip_through_bench_op():
+    bench_op = _load("bench_op")
+    for tile in (op.DEFAULT_TILE, op.DEFAULT_TMA_TILE, op.WIDE_TILE, op.INTERPRETER_TILE,
+                 op.TileConfig(bn=128, static=False), op.TileConfig(tma_store=True, rotate=True),
+                 op.TileConfig(rotate=True)):
+        assert bench_op.parse_tile(tile.name) == (tile, 1), tile.name
+    assert op.DEFAULT_TMA_TILE.name == "128x256x64w8s3tma"
+    assert op.WIDE_TILE.name == "256x128x64w8s4"
+    assert op.WIDE_TILE in op.TILE_CANDIDATES
+
+
+def test_empty_experts_and_no_rows_plan_without_error():
+    for rows in ([0] * 8, [0, 0, 5, 0], [1]):
+        choice = _choose(_meta(rows), _profile(0.5))
+        assert choice.plan.predicted_us is not None
+    assert _choose(_meta([0] * 8), _profile(0.5)).plan.breakdown.local_tiles == 0
+
+
+# ---- calibrate.py --tiles -----------------------------------------------------------------
+
+calibrate = _load("calibrate")
+
+
+def test_calibrate_tiles_default_to_the_candidates():
+    assert calibrate.candidate_tiles() == list(op.TILE_CANDIDATES)
+    assert calibrate.candidate_tiles([]) == []
+    assert calibrate.candidate_tiles(["256x128x64w8s4", "128x128x64w4s3"]) == [
+        op.WIDE_TILE, op.TileConfig(bn=128, num_warps=4)]
+
+
+@pytest.mark.parametrize("names, message", [
+    (["256x128x32w8s4"], "BK 32"),
+    (["256x128x64w8s4dyn"], "no 'dyn'"),
+    (["256x128x64w8s4g2"], "no 'g2'"),
+    (["128x256x64w8s4"], "the default tile"),
+    (["256x128x64w8s4", "256x128x64w8s3"], "already listed"),
+    (["128x128x64w8s3tma"], "register-store tile listed too"),
+    (["bogus"], "tile variant 'bogus'"),
+])
+def test_calibrate_refuses_bad_tiles_before_measuring(names, message, tmp_path, capsys):
+    out = tmp_path / "p.yaml"
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main(["--dry-run", "--out", str(out), "--tiles", *names])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_calibrate_dry_run_writes_the_candidate_entries(tmp_path):
+    out = tmp_path / "h100.yaml"
+    assert calibrate.main(["--dry-run", "--base", "h100", "--tma-store", "--out", str(out)]) == 0
+    prof, base = load_profile(out), load_profile("h100")
+    w = op.WIDE_TILE
+    assert [t.key for t in prof.tile_times] == [
+        (128, 256, 64, False), (128, 256, 64, True), (w.bm, w.bn, w.bk, False)]
+    # (generated from the base's entry for it)
+    got, want = prof.tile_time(w.bm, w.bn, w.bk), base.tile_time(w.bm, w.bn, w.bk)
+    assert (got.alpha_us, got.beta_us) == pytest.approx((want.alpha_us, want.beta_us), abs=1e-3)
+    shapes = {(r["bm"], r["bn"], r["bk"], r["tma_store"]) for r in prof.extra["tile_sweep"]}
+    assert shapes == {t.key for t in prof.tile_times}
+    assert prof.extra["tiles_copied_from_base"] == []
+
+
+def test_calibrate_without_a_candidate_keeps_the_bases_entry(tmp_path):
+    out = tmp_path / "h100.yaml"
+    assert calibrate.main(["--dry-run", "--base", "h100", "--tiles", "--out", str(out)]) == 0
+    prof, base = load_profile(out), load_profile("h100")
+    w = op.WIDE_TILE
+    assert prof.tile_time(w.bm, w.bn, w.bk) == base.tile_time(w.bm, w.bn, w.bk)
+    assert prof.extra["tiles_copied_from_base"] == ["256x128x64"]
+    assert not any(r.get("bm") == 256 for r in prof.extra["tile_sweep"])
+
+
+def test_old_sweep_rows_without_a_shape_fit_the_default_tile():
+    rows = [dict(ffn=f, ksteps=f // 64, ctas_per_sm=1, tau_us=2.0 + 0.5 * (f // 64))
+            for f in (384, 1408, 14336)]
+    base = load_profile("h200")
+    prof = calibrate.build_profile("x", base, base.gpu, rows, [], 1.0, 1.0, 1.0, "test",
+                                   link_from_base=True)
+    t = prof.tile_time(128, 256, 64)
+    assert (t.alpha_us, t.beta_us) == pytest.approx((2.0, 0.5))
+
+
+def test_profile_with_a_new_tile_round_trips(tmp_path):
+    prof = _profile(0.9)
+    path = tmp_path / "p.yaml"
+    save_profile(prof, path)
+    again = load_profile(path)
+    assert again.has_tile_time(256, 128, 64) and again.tile_time(256, 128, 64) == \
+        prof.tile_time(256, 128, 64)
