@@ -60,7 +60,12 @@ Common fields:
   stores through TMA descriptors for the row's TP x EP group, false where the flag-on
   variant runs no GPU kernel; v5.2-v5.8: the run's `MEGATRON_OVERLAP_TMA_STORE`, in every
   row of the run; absent before v5.2), tma_store_env (from v5.9: the run's
-  `MEGATRON_OVERLAP_TMA_STORE` as set, "" unset), tile_list /
+  `MEGATRON_OVERLAP_TMA_STORE` as set, "" unset), tile_choice / tile_choice_env (from
+  v6.1: whether the resource manager picked the flag-on GEMM2's tile per call for the row's
+  TP x EP group, false where no GPU kernel runs; `MEGATRON_OVERLAP_TILE_CHOICE` as set, ""
+  unset), gemm2_tile (layer, from v6.1: the tile the flag-on variant's last Triton combine
+  ran, `TileConfig.name`, e.g. "128x256x64w8s3tma"; None for baselines and the reference
+  backend) / gemm2_tiles (prefill: the same over the MoE layers, a sorted list), tile_list /
   host_tables / fast_launch (the run's `MEGATRON_OVERLAP_TILE_LIST` / `_HOST_TABLES` /
   `_FAST_LAUNCH`, effective values; absent before v5.4), host_cache (the run's
   `MEGATRON_OVERLAP_HOST_CACHE`, effective: bool; absent before v5.5), host_splits (the
@@ -645,19 +650,23 @@ def environment_section(rows: list[dict]) -> str:
 
 
 SETTING_FIELDS = ("prereduce", "fc1_impl", "bias_activation_fusion", "fc1_chunk_bytes",
-                  "tma_store", "tile_list", "host_tables", "fast_launch", "host_cache",
-                  "host_splits", "hw_profile", "timing_order")
+                  "tma_store", "tile_choice", "tile_list", "host_tables", "fast_launch",
+                  "host_cache", "host_splits", "hw_profile", "timing_order")
 """Row fields of a run's settings that change what the variants compute or how fast (absent
 in older rows: shown as "-"). "tma_store" shows the variable as the run set it
 (`tma_store_env`: "unset", "0", "1"; rows from before v5.9 have only `tma_store`, which
 then was that variable's value): the epilogue itself (`tma_store`) depends on the layout's
-group size since v5.9, so it would split one run's rows."""
+group size since v5.9, so it would split one run's rows. "tile_choice" likewise shows
+`tile_choice_env` (`MEGATRON_OVERLAP_TILE_CHOICE`: "unset", "0", "1"; "-" in rows from
+before v6.1, which always ran the default tile)."""
 
 
 def _setting(row: dict, field: str) -> str:
     """A row's `SETTING_FIELDS` value as the settings table shows it."""
     if field == "tma_store" and "tma_store_env" in row:
         return row["tma_store_env"] or "unset"
+    if field == "tile_choice":
+        return "-" if "tile_choice_env" not in row else row["tile_choice_env"] or "unset"
     value = row.get(field)
     return "-" if value is None else str(value).lower()
 

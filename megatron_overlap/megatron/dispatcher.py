@@ -48,7 +48,7 @@ from megatron_overlap.ops.gemm2_gatherrs import (
     triton_unavailable_reason,
 )
 from megatron_overlap.profiling import span
-from megatron_overlap.resource import Plan, plan_gemm2_gatherrs
+from megatron_overlap.resource import Plan
 
 
 def _as_list(splits) -> List[int]:

@@ -303,20 +303,20 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
                  fc1_impl="auto", bias_activation_fusion=False) for v in ("on", "off")]
     rows.append(_row("prefill", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 4096, "on", 1.0))
     text = mr.settings_section(rows)
-    assert "| layer | auto | auto | false | - | - | - | - | - | - | - | - | - | 2 |" in text, text
-    assert "| prefill | - | - | - | - | - | - | - | - | - | - | - | - | 1 |" in text, text  # rows from before the fields
+    assert "| layer | auto | auto | false | - | - | - | - | - | - | - | - | - | - | 2 |" in text, text
+    assert "| prefill | - | - | - | - | - | - | - | - | - | - | - | - | - | 1 |" in text, text  # rows from before the fields
     assert "Warning" not in text, text
     rows.append(_row("layer", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 8192, "on", 1.0,
                      prereduce="auto", fc1_impl="auto", bias_activation_fusion=True))
     text = mr.settings_section(rows)
-    assert "| layer | auto | auto | true | - | - | - | - | - | - | - | - | - | 1 |" in text, text
+    assert "| layer | auto | auto | true | - | - | - | - | - | - | - | - | - | - | 1 |" in text, text
     assert "**Warning:** the layer rows mix settings" in text, text
     assert "prefill rows mix" not in text, text
     # v5.4 rows say in which order the variants were timed; older ones do not
     rows.append(_row("prefill", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 8192, "on", 1.0,
                      timing_order="williams"))
     text = mr.settings_section(rows)
-    assert "| prefill | - | - | - | - | - | - | - | - | - | - | - | williams | 1 |" in text, text
+    assert "| prefill | - | - | - | - | - | - | - | - | - | - | - | - | williams | 1 |" in text, text
     assert "**Warning:** the prefill rows mix settings" in text, text
     # an --alt-env A/B's 'on-alt' rows have their own settings by design: no mix warning
     ab = [_row("layer", "qwen3-30b-a3b", "tp1/ep2/dp2/sp0", 4096, v, 1.0, tma_store=v == "on-alt")
@@ -326,7 +326,7 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
     assert "**Note:** the layer rows predate v5.4's balanced timing order" in text, text
     balanced = [dict(r, timing_order="williams") for r in ab]
     assert "predate" not in mr.settings_section(balanced)
-    assert "| layer | - | - | - | - | false | - | - | - | - | - | - | - | 2 |" in text, text
+    assert "| layer | - | - | - | - | false | - | - | - | - | - | - | - | - | 2 |" in text, text
     # v5.9 rows: the variable as set, not the epilogue (which depends on the layout's group
     # size): one run over EP1 and EP2 is one setting
     mixed = [_row("layer", "qwen3-30b-a3b", layout, 4096, v, 1.0, tma_store=layout.startswith(
@@ -334,13 +334,20 @@ def test_settings_section_shows_each_run_setting_and_warns_on_a_mix():
         for v in ("on", "off")]
     text = mr.settings_section(mixed)
     assert "Warning" not in text, text
-    assert "| layer | - | - | - | - | unset | - | - | - | - | - | - | - | 4 |" in text, text
+    assert "| layer | - | - | - | - | unset | - | - | - | - | - | - | - | - | 4 |" in text, text
     mixed[0]["tma_store_env"] = "1"
     assert "**Warning:** the layer rows mix settings" in mr.settings_section(mixed)
     # v6.0 rows name the hardware profile the plans used: two GPUs' profiles are a mix
     profiles = [dict(r, hw_profile=name) for r, name in zip(ab[:2], ("h100", "h200"))]
     text = mr.settings_section(profiles)
-    assert "| layer | - | - | - | - | false | - | - | - | - | - | h100 | - | 1 |" in text, text
+    assert "| layer | - | - | - | - | false | - | - | - | - | - | - | h100 | - | 1 |" in text, text
+    assert "**Warning:** the layer rows mix settings" in text, text
+    # v6.1 rows: MEGATRON_OVERLAP_TILE_CHOICE as set ("unset" where not); another value
+    # is another setting
+    choice = [dict(r, tile_choice_env=value) for r, value in zip(ab[:2], ("", "0"))]
+    text = mr.settings_section(choice)
+    assert "| layer | - | - | - | - | false | unset | - | - | - | - | - | - | - | 1 |" in text, text
+    assert "| layer | - | - | - | - | false | 0 | - | - | - | - | - | - | - | 1 |" in text, text
     assert "**Warning:** the layer rows mix settings" in text, text
 
 

@@ -365,7 +365,7 @@ def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypat
 
     def plan(meta, options, **kwargs):
         seen["planned_prereduce"] = options.prereduce
-        return types.SimpleNamespace(mode=mode)
+        return types.SimpleNamespace(mode=mode, predicted_us=None)
 
     def gather(routing_map, group, sizes):
         seen["gather_sizes"] = sizes
@@ -375,7 +375,9 @@ def test_dispatcher_gathers_the_maps_only_for_a_prereduced_triton_call(monkeypat
         seen["maps"] = routing_maps
         return types.SimpleNamespace(MODE="prereduce" if routing_maps else "direct")
 
-    monkeypatch.setattr(d, "plan_gemm2_gatherrs", plan)
+    # (the dispatcher plans through `ops.triton_gemm2_gatherrs.plan_call`, which calls the
+    # resource manager's planner)
+    monkeypatch.setattr("megatron_overlap.resource.plan_gemm2_gatherrs", plan)
     monkeypatch.setattr(d, "gather_routing_maps", gather)
     monkeypatch.setattr(d, "prepare_gemm2_gatherrs", prepare)
     options = GatherRSOptions()
@@ -413,9 +415,9 @@ def test_dispatcher_plans_with_the_tile_time_of_its_epilogue(monkeypatch, tile, 
 
     def plan(meta, options, **kwargs):
         seen["tma_store"] = kwargs["tma_store"]
-        return types.SimpleNamespace(mode="direct")
+        return types.SimpleNamespace(mode="direct", predicted_us=None)
 
-    monkeypatch.setattr(d, "plan_gemm2_gatherrs", plan)
+    monkeypatch.setattr("megatron_overlap.resource.plan_gemm2_gatherrs", plan)
     def prepare(*args, tile, **kwargs):
         seen["prepared_tile"] = tile
         return types.SimpleNamespace(MODE="direct")
