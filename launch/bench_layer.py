@@ -953,7 +953,8 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 "fc1_chunk_bytes": fc1_chunk_bytes(),
                 # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
                 # host_tables, fast_launch, host_cache, host_splits
-                # (tma_store: the epilogue the flag-on GEMM2 runs; false off the GPU path)
+                # (tma_store: the epilogue of the flag-on GEMM2's default tile, false off the GPU
+                # path; gemm2_tile: the tile its calls ran)
                 **fused_path_settings(tp * ep, backend == "triton" and run.device == "cuda",
                                       shape.hidden_size * _elem_bytes(run)),
                 "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"

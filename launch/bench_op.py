@@ -342,6 +342,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
             # gather: the routing maps all-gathered here, as the Megatron dispatcher does
             return PreReducedCall(
                 meta, ws, plan, hidden=hidden, dtype=h.dtype, device=device, timeout_s=30.0,
+                tile=call_tile,
                 routing_maps=(gather_routing_maps(dev_maps[rank], group, sizes) if gather
                               else dev_maps))
 
@@ -373,7 +374,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                      ("ours_nocomm", call.gemm_only)]
         variant_errs = {}
         # other tile configurations / schedules, same inputs and the same plan (grid and k of
-        # the default tile's epilogue): an A/B of the tiles at equal k
+        # the op's tile, `call_tile`): an A/B of the tiles at equal k
         for name in args.variants:
             tile, per_sm = parse_tile(name)
             v_plan = dataclasses.replace(plan, num_ctas=per_sm * num_sms, source="forced")

@@ -14,9 +14,10 @@ written, every rank measures alike at the same time, as in the fused op):
              and with --tma-store also the TMA-store one (`DEFAULT_TMA_TILE`): a second
              tile_times entry with `tma_store: true` (without the flag, the base
              profile's TMA-store entry is copied, and the header says so); then each
-             of --tiles (default: `ops.triton_gemm2_gatherrs.TILE_CANDIDATES`, the tiles
-             the resource manager may choose per call), one entry each (BK must be
-             the default tile's: the sweep's F values are shared);
+             of --tiles (default: all of `ops.triton_gemm2_gatherrs.TILE_CANDIDATES`,
+             the tiles the resource manager may choose per call), one entry each (the
+             base's entries of other shapes are not copied: a candidate the run did
+             not measure is not offered);
   peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
              --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
              largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
@@ -105,41 +106,29 @@ def fit_link(ctas: Sequence[int], gbps: Sequence[float]) -> Tuple[float, float]:
 
 
 def candidate_tiles(names=None) -> list:
-    """The TileConfigs of --tiles: `names` parsed as launch/bench_op.py's --variants (None:
-    `ops.triton_gemm2_gatherrs.TILE_CANDIDATES`).
+    """The TileConfigs of --tiles: `names` as launch/bench_op.py's --variants spells them
+    (`TileConfig.name`), each one of `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` (None: all
+    of them). A profile entry is keyed by shape and epilogue, and the planner reads it as the
+    time of the candidate of that shape, so only the candidates' own configurations may be
+    measured into one.
 
     Raises:
-        ValueError: a bad name; a tile with another BK than `DEFAULT_TILE`'s, the dynamic
-            schedule, two CTAs per SM, the default tile itself or a repeat (each message
-            names it).
+        ValueError: a name that is not a candidate's, or a repeat (the message lists them).
     """
     from megatron_overlap.ops.triton_gemm2_gatherrs import TILE_CANDIDATES
 
     if names is None:
         return list(TILE_CANDIDATES)
-    import bench_op  # launch/bench_op.py: parse_tile
-
-    tiles, seen = [], set()
+    by_name = {t.name: t for t in TILE_CANDIDATES}
+    tiles = []
     for name in names:
-        tile, per_sm = bench_op.parse_tile(name)
-        if tile.bk != DEFAULT_TILE[2]:
-            raise ValueError(f"{name!r}: BK {tile.bk}; the sweep's F values are chosen for "
-                             f"BK {DEFAULT_TILE[2]} (the default tile's)")
-        if per_sm != 1 or not tile.static:
-            raise ValueError(f"{name!r}: the calibrated kernel runs one CTA per SM with the "
-                             "static schedule (no 'g2', no 'dyn')")
-        key = (tile.bm, tile.bn, tile.bk, tile.tma_store)
-        if key[:3] == DEFAULT_TILE or key in seen:
-            raise ValueError(f"{name!r}: the default tile (measured anyway; --tma-store "
-                             "adds its TMA-store entry) or a shape and epilogue already "
-                             "listed: one tile_times entry per shape and epilogue")
-        seen.add(key)
-        tiles.append(tile)
-    for tile in tiles:  # (a profile needs a register-store entry for every shape)
-        if tile.tma_store and (tile.bm, tile.bn, tile.bk, False) not in seen:
-            raise ValueError(f"{tile.name!r}: a TMA-store tile needs its shape's register-"
-                             f"store tile listed too (e.g. {tile.name[:-3]}), as every "
-                             "profile entry with tma_store has a register-store twin")
+        if name not in by_name:
+            raise ValueError(f"{name!r}: expected one of the resource manager's candidate "
+                             f"tiles {sorted(by_name)} (ops.triton_gemm2_gatherrs."
+                             "TILE_CANDIDATES; the default tile is measured anyway)")
+        if by_name[name] in tiles:
+            raise ValueError(f"{name!r} listed twice")
+        tiles.append(by_name[name])
     return tiles
 
 
@@ -189,12 +178,8 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         t.tma_store and t.shape == (bm, bn, bk) for t in base.tile_times)
     if copied_tma:
         entries.insert(1, base.tile_time(bm, bn, bk, tma_store=True))
-    # Other shapes' entries of the base not measured here (--tiles without them): copied, so
-    # that a re-calibration does not drop a candidate tile (`tiles_copied_from_base`).
-    measured = {t.key for t in entries}
-    copied_tiles = [t for t in base.tile_times
-                    if t.shape != (bm, bn, bk) and t.key not in measured]
-    entries += copied_tiles
+    # (The base's entries of other shapes are never copied: the tile choice compares them
+    # with this run's default-tile time, so one from another run or GPU would decide it.)
     if link_from_base:
         b_link, b_cta = base.link_bandwidth_gbps, base.cta_bandwidth_gbps
     else:
@@ -210,9 +195,7 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         extra={"tile_sweep": tile_rows, "peer_store_sweep": store_rows,
                "link_values_copied_from_base": link_from_base,
                "tma_store_copied_from_base": copied_tma,
-               "tiles_copied_from_base": [
-                   f"{t.bm}x{t.bn}x{t.bk}{' tma' if t.tma_store else ''}"
-                   for t in copied_tiles],
+
                "prereduce_host_us_copied_from_base": base.name})
 
 
@@ -223,16 +206,21 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
     register-store one; each of `tiles` (TileConfigs) from the base's entry for it, else
     from the default tile's register-store entry)."""
     tile_rows = []
-    sweeps = [(DEFAULT_TILE, tma) for tma in ((False, True) if tma_store else (False,))]
-    sweeps += [((t.bm, t.bn, t.bk), t.tma_store) for t in tiles]
-    for shape, tma in sweeps:
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
+
+    sweeps = [(REGISTER_TILE, False)] + ([(DEFAULT_TMA_TILE, True)] if tma_store else [])
+    sweeps += [(t, t.tma_store) for t in tiles]
+    for config, tma in sweeps:
+        shape = (config.bm, config.bn, config.bk)
         with warnings.catch_warnings():  # (a base without a TMA-store entry: said above)
             warnings.simplefilter("ignore")
             t = (base.tile_time(*shape, tma_store=tma) if base.has_tile_time(*shape)
                  else base.tile_time(*DEFAULT_TILE))
         for f in ffns:
             ksteps = -(-f // shape[2])
-            tile_rows.append(dict(bm=shape[0], bn=shape[1], bk=shape[2], ffn=f, ksteps=ksteps,
+            tile_rows.append(dict(tile=config.name, bm=shape[0], bn=shape[1], bk=shape[2],
+                                  ffn=f, ksteps=ksteps,
                                   ctas_per_sm=t.ctas_per_sm,
                                   tau_us=t.alpha_us + t.beta_us * ksteps, tma_store=tma))
     store_rows = [dict(ctas=k or num_sms, gbps=min((k or num_sms) * base.cta_bandwidth_gbps,
@@ -371,11 +359,11 @@ def main(argv=None) -> int:
                         help="also sweep the TMA-store epilogue's tile time (a second "
                              "tile_times entry, tma_store: true)")
     parser.add_argument("--tiles", nargs="*", default=None, metavar="TILE",
-                        help="more tile configurations to sweep, one tile_times entry each, "
-                             "as launch/bench_op.py --variants spells them (e.g. "
-                             "256x128x64w8s4; static schedule, one CTA per SM); default: "
-                             "the resource manager's candidates (ops.triton_gemm2_gatherrs."
-                             "TILE_CANDIDATES); none: --tiles with no value")
+                        help="the resource manager's candidate tiles to sweep, one tile_times "
+                             "entry each (names as launch/bench_op.py --variants spells "
+                             "them, from ops.triton_gemm2_gatherrs.TILE_CANDIDATES, e.g. "
+                             "256x128x64w8s4); default: all candidates; none: --tiles with "
+                             "no value")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
@@ -391,9 +379,6 @@ def main(argv=None) -> int:
         extra_tiles = candidate_tiles(args.tiles)
     except ValueError as err:
         parser.error(f"--tiles: {err}")
-    if args.hidden * 2 % 16 and any(t.tma_store for t in extra_tiles):
-        parser.error(f"--tiles with a TMA-store tile at --hidden {args.hidden}: the TMA-store "
-                     "epilogue needs rows of a multiple of 16 bytes")
     if not args.name.strip():
         parser.error(f"--name {args.name!r}: expected a non-empty profile name")
     try:
@@ -453,9 +438,7 @@ def main(argv=None) -> int:
                   + ("TMA-store tile time copied from the base profile (not measured: "
                      "no --tma-store).\n" if profile.extra["tma_store_copied_from_base"]
                      else "")
-                  + (f"Tile times copied from the base profile (not measured: not in "
-                     f"--tiles): {', '.join(profile.extra['tiles_copied_from_base'])}.\n"
-                     if profile.extra["tiles_copied_from_base"] else "")
+
                   + f"prereduce_host_us copied from the base profile ({base.name}; a host "
                     "cost, not measured here: bench_op's ours_prereduced_host - ours_host).\n"
                   + "Re-run launch/calibrate.py after kernel changes (the tile time is the "

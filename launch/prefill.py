@@ -1536,8 +1536,8 @@ def benchmark_model(run: RunConfig, shape: Any, ranks: Ranks, device: torch.devi
         "fc1_chunk_bytes": fc1_chunk_bytes(),
         # the fused path's variables: tma_store (the GEMM2 epilogue), tile_list,
         # host_tables, fast_launch, host_cache, host_splits
-        # the MoE layers' TP x EP group (tma_store: the epilogue the flag-on GEMM2 runs;
-        # false off the GPU path)
+        # the MoE layers' TP x EP group (tma_store: the epilogue of the flag-on GEMM2's
+        # default tile, false off the GPU path; gemm2_tiles: the tiles its calls ran)
         **fused_path_settings(run.tp * run.ep, backend == "triton" and run.device == "cuda",
                               shape.hidden_size * elem_bytes),
         "resource_solver": implementation_name(),  # the plan's solver: "cpp" | "python"

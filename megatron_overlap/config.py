@@ -37,9 +37,9 @@ registers; unset: TMA at world 1, registers at world > 1 (`TMA_STORE_DEFAULT_MAX
 
 TILE_CHOICE_ENV = "MEGATRON_OVERLAP_TILE_CHOICE"
 """Whether the resource manager picks the GEMM2 tile of each call (`tile_choice_enabled`):
-"1" among `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` by the wave model
-(`ops.triton_gemm2_gatherrs.plan_call`), "0" always the default tile (`default_tile`);
-unset: the choice at world 1 (`TILE_CHOICE_DEFAULT_MAX_WORLD`), the default tile above."""
+"1" or unset: among the default tile and `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` by the
+wave model (`ops.triton_gemm2_gatherrs.plan_call`) for calls whose TP x EP group has at most
+`TILE_CHOICE_MAX_WORLD` (1) rank; "0": always the default tile (`default_tile`)."""
 
 HOST_TABLES_ENV = "MEGATRON_OVERLAP_HOST_TABLES"
 """How a direct call's host tables (segments, finalize bases, arrival targets) reach its
@@ -242,25 +242,27 @@ two."""
 
 def tile_choice_enabled(world_size: int) -> bool:
     """$MEGATRON_OVERLAP_TILE_CHOICE: whether a call over `world_size` ranks (its TP x EP
-    group) on the GPU lets the resource manager pick its GEMM2 tile among
-    `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` (`ops.triton_gemm2_gatherrs.plan_call`):
-    "1" always, "0" never (the default tile, `default_tile`); unset or empty: where
-    `world_size <= TILE_CHOICE_DEFAULT_MAX_WORLD`.
+    group) on the GPU lets the resource manager pick its GEMM2 tile among the default tile
+    and `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` (`ops.triton_gemm2_gatherrs.plan_call`):
+    "1", unset or empty: where `world_size <= TILE_CHOICE_MAX_WORLD`; "0": never (the
+    default tile, `default_tile`).
 
     Raises:
         TypeError: world_size is not an int.
         ValueError: world_size < 1; the variable is anything other than "0" or "1".
     """
     _check_world_size(world_size)
-    return _zero_or_one(TILE_CHOICE_ENV, world_size <= TILE_CHOICE_DEFAULT_MAX_WORLD)
+    return _zero_or_one(TILE_CHOICE_ENV, True) and world_size <= TILE_CHOICE_MAX_WORLD
 
 
-TILE_CHOICE_DEFAULT_MAX_WORLD = 1
-"""Where $MEGATRON_OVERLAP_TILE_CHOICE is unset, the GEMM2 tile is chosen per call for
-process groups of at most this many ranks, the default tile is kept above. World 1: every
-tile is local, so the choice changes the GEMM2's waves and tile rate only
-(docs/perf_notes.md v6.1). World > 1: a tile of other rows also changes the segments and
-when the first remote-bound tile is done, which no 2-GPU run has measured yet."""
+TILE_CHOICE_MAX_WORLD = 1
+"""The GEMM2 tile is chosen per call only for process groups of at most this many ranks,
+whatever $MEGATRON_OVERLAP_TILE_CHOICE says. At world 1 every tile is local, so the choice
+changes the GEMM2's waves and tile rate only (docs/perf_notes.md v6.1). At world > 1 every
+rank of the group must run the same tile shape (a receiver's expected arrivals count the
+senders' tiles with its own BM x BN), and a choice from each rank's own rows could differ
+between ranks; a group-wide choice (from the exchanged counts, as the mode choice does) and
+its 2-GPU measurement are not done."""
 
 
 def _check_world_size(world_size) -> None:

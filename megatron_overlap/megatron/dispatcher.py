@@ -498,7 +498,7 @@ class GatherRSAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 self.metadata, self.options if self._triton else self._direct_options,
                 device=h_like.device, num_sms=self._num_sms, hidden=w2.shape[1],
                 ffn=w2.shape[2], elem_bytes=h_like.element_size(),
-                recv_rows=recv_rows * self.tp_size,
+                recv_rows=recv_rows * self.tp_size, choose=self._triton,
                 resources=lambda t: call_resources(
                     h_like.dtype, w2.shape[2], w2.shape[1], self.tp_size,
                     self.config.moe_router_topk, self.num_experts, t))

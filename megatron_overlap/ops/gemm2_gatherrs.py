@@ -145,7 +145,9 @@ def prepare_gemm2_gatherrs(
             (`ops.triton_gemm2_gatherrs.plan_call`: at world 1 the faster of the default
             tile and `TILE_CANDIDATES` by the wave model, $MEGATRON_OVERLAP_TILE_CHOICE);
             with a `plan` given, `default_tile(h_like.device, meta.group_size)` (the tile
-            such a plan is made for). Read here once for the plan and the call.
+            such a plan is made for). A tile given without a plan is planned with its own
+            tile count and time where the hardware profile has its shape, else with
+            `resource.DEFAULT_TILE`'s. Read here once for the plan and the call.
 
     Returns:
         A prepared Triton call to pass as `gemm2_gatherrs(..., prepared=...)` (it must be
@@ -172,6 +174,8 @@ def prepare_gemm2_gatherrs(
         epilogue_stores_tma,
         plan_call,
     )
+    from megatron_overlap.resource import DEFAULT_TILE as DEFAULT_TILE_SHAPE
+    from megatron_overlap.resource import load_profile
     from megatron_overlap.symm import get_workspace
 
     if plan is None:
@@ -191,11 +195,14 @@ def prepare_gemm2_gatherrs(
                                ffn=w2.shape[2], elem_bytes=h_like.element_size(),
                                num_sms=num_sms, resources=resources)
             tile, plan = choice.tile, choice.plan
-        else:
+        else:  # the caller's tile: its own tile count and time where the profile has one
+            shape = (tile.bm, tile.bn, tile.bk)
             plan = plan_gemm2_gatherrs(meta, plan_options, num_sms=num_sms,
                                        hidden=w2.shape[1], ffn=w2.shape[2],
                                        elem_bytes=h_like.element_size(),
                                        kernel=resources(tile),
+                                       tile=shape if load_profile().has_tile_time(*shape)
+                                       else DEFAULT_TILE_SHAPE,
                                        tma_store=epilogue_stores_tma(tile, w2.shape[1],
                                                                      h_like.element_size()))
     elif tile is None:

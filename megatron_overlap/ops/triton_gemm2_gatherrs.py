@@ -185,10 +185,10 @@ def epilogue_stores_tma(tile: TileConfig, hidden: int, elem_bytes: int) -> bool:
 
 
 TILE_CHOICE_MARGIN = 0.02
-"""`plan_call` takes a candidate over the default tile only where the model predicts it at
-least this fraction faster (2 %): the tile-time fits' residuals on one H100 are ~1-2 % of
-a tile's time (docs/perf_notes.md v6.1), so a smaller predicted gain is within the model's
-own error, and the default tile is the measured one on every shape."""
+"""`plan_call` takes a candidate over the default tile only where the model predicts the
+whole call (`Plan.predicted_us`: GEMM2 waves, finalize, launches) at least this fraction
+faster (2 %): a smaller predicted gain is within the tile-time fits' own error at long K
+(docs/perf_notes.md v6.1), and the default tile is the one measured on every shape."""
 
 
 @dataclass(frozen=True)
@@ -203,21 +203,23 @@ class TileChoice:
 
 
 def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: int,
-              ffn: int, elem_bytes: int, num_sms: int, resources, recv_rows=None,
-              profile=None) -> TileChoice:
+              ffn: int, elem_bytes: int, num_sms: Optional[int], resources, recv_rows=None,
+              profile=None, choose: bool = True) -> TileChoice:
     """The GEMM2 tile and the plan of one call: the resource manager's wave model
     (`resource.plan_gemm2_gatherrs`, C++ solver) run for the call's default tile
-    (`default_tile(device, meta.group_size)`) and, where `tile_choice_enabled(group size)`
-    and the call runs on CUDA, for each of `TILE_CANDIDATES` the hardware profile has a
-    tile time for; the candidate with the smallest predicted time wins if it beats the
-    default's by `TILE_CHOICE_MARGIN`. Nothing is measured, compiled or launched: the tile
-    counts come from the routing metadata (ceil(rows / BM) x ceil(H / BN) per expert), the
-    tile times from the profile (tau(F) = alpha + beta x ceil(F / BK)), the time from whole
-    waves of the grid (DESIGN.md §4).
+    (`default_tile(device, meta.group_size)`) and, where `choose`, the call runs on CUDA
+    with an SM count and `tile_choice_enabled(group size)` (world 1 only), for each of
+    `TILE_CANDIDATES` the hardware profile has a tile time for; the fastest candidate
+    predicted at least `TILE_CHOICE_MARGIN` faster than the default tile wins, else the
+    default tile. Nothing is measured, compiled or launched: the tile counts come from the
+    routing metadata (ceil(rows / BM) x ceil(H / BN) per expert), the tile times from the
+    profile (tau(F) = alpha + beta x ceil(F / BK)), the time from whole waves of the grid
+    (DESIGN.md §4).
 
     Args:
         meta, options: as `plan_gemm2_gatherrs`.
-        device: the call's device (CPU: the interpreter's tile, no choice).
+        device: the call's device (not CUDA: the interpreter's tile, no choice, planned
+            with `resource.DEFAULT_TILE`'s shape as before v6.1).
         hidden, ffn: H, F of the call; elem_bytes: bytes per element of h.
         num_sms: the GPU's SMs (None: no model, as `plan_gemm2_gatherrs`; the default
             tile).
@@ -225,6 +227,8 @@ def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: 
             kernel's for that tile, e.g. `call_resources(..., tile)`; None before its
             first launch: the planner's default, one CTA per SM).
         recv_rows, profile: as `plan_gemm2_gatherrs`.
+        choose: False plans the default tile alone (the caller runs no Triton kernel, e.g.
+            the reference backend).
 
     Returns:
         A `TileChoice`.
@@ -234,30 +238,34 @@ def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: 
         $MEGATRON_OVERLAP_TILE_CHOICE.
     """
     from megatron_overlap.config import tile_choice_enabled
+    from megatron_overlap.resource import DEFAULT_TILE as DEFAULT_SHAPE
     from megatron_overlap.resource import load_profile, plan_gemm2_gatherrs
 
     default = default_tile(device, meta.group_size)
+    cuda = (device.type if isinstance(device, torch.device) else torch.device(device).type
+            ) == "cuda"
     tiles = [default]
-    if (tile_choice_enabled(meta.group_size) and torch.device(device).type == "cuda"
-            and num_sms is not None):
+    if tile_choice_enabled(meta.group_size) and choose and cuda and num_sms is not None:
         prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
         tiles += [t for t in TILE_CANDIDATES if t != default and prof.has_tile_time(
             t.bm, t.bn, t.bk, epilogue_stores_tma(t, hidden, elem_bytes))]
-    best = None
-    predicted = {}
+    plans = []
     for tile in tiles:
-        plan = plan_gemm2_gatherrs(
+        plans.append(plan_gemm2_gatherrs(
             meta, options, num_sms=num_sms, hidden=hidden, ffn=ffn, elem_bytes=elem_bytes,
             recv_rows=recv_rows, kernel=resources(tile), profile=profile,
-            tile=(tile.bm, tile.bn, tile.bk),
-            tma_store=epilogue_stores_tma(tile, hidden, elem_bytes))
-        predicted[tile.name] = plan.predicted_us
-        if best is None:
-            best = (tile, plan)
-        elif (plan.predicted_us is not None and best[1].predicted_us is not None
-              and plan.predicted_us < (1.0 - TILE_CHOICE_MARGIN) * best[1].predicted_us):
-            best = (tile, plan)
-    return TileChoice(tile=best[0], plan=best[1], predicted_us=predicted)
+            tile=(tile.bm, tile.bn, tile.bk) if cuda else DEFAULT_SHAPE,
+            tma_store=epilogue_stores_tma(tile, hidden, elem_bytes)))
+    best = 0
+    base_us = plans[0].predicted_us
+    for i in range(1, len(plans)):
+        us = plans[i].predicted_us
+        if (base_us is not None and us is not None
+                and us < (1.0 - TILE_CHOICE_MARGIN) * base_us
+                and (best == 0 or us < plans[best].predicted_us)):
+            best = i
+    return TileChoice(tile=tiles[best], plan=plans[best],
+                      predicted_us={t.name: p.predicted_us for t, p in zip(tiles, plans)})
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -169,6 +169,8 @@ def test_fc1_impl_reaches_the_flag_on_experts(tmp_path):
     assert on["bias_activation_fusion"] is False and on["fc1_chunk_bytes"] == 128 * 2**20, on
     # no GPU kernel on the CPU: no TMA epilogue ran (unset variable: recorded as "")
     assert on["tma_store"] is False and on["tma_store_env"] == "", on
+    # no Triton combine ran on the CPU: no GEMM2 tile, no tile choice
+    assert on["gemm2_tile"] is None and on["tile_choice"] is False, on
     from megatron_overlap.resource.solver import implementation_name
 
     assert on["resource_solver"] == implementation_name(), on  # the launcher's, this one's

@@ -167,6 +167,7 @@ def test_fc1_impl_reaches_every_fused_layer(tmp_path):
     assert on["bias_activation_fusion"] is False and on["fc1_chunk_bytes"] == 128 * 2**20, on
     # no GPU kernel on the CPU: no TMA epilogue ran (unset variable: recorded as "")
     assert on["tma_store"] is False and on["tma_store_env"] == "", on
+    assert on["gemm2_tiles"] == [] and on["tile_choice"] is False, on  # no Triton combine
     from megatron_overlap.resource.solver import implementation_name
 
     assert on["resource_solver"] == implementation_name(), on  # the launcher's, this one's

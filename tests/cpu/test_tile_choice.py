@@ -130,6 +130,24 @@ def test_only_tiles_the_profile_has_are_offered():
     assert cpu.tile == op.INTERPRETER_TILE and cpu.plan.source == "cpu"
     none = _choose(_meta([1024] * 8), _profile(0.5), num_sms=None)
     assert none.tile == op.DEFAULT_TMA_TILE and none.plan.num_ctas is None
+    # a CPU device with an SM count (a caller that plans for a GPU from the CPU): the
+    # interpreter's tile, planned with the default tile's shape as before v6.1, no choice
+    cpu = _choose(_meta([1024] * 8), _profile(0.5), device="cpu")
+    default = _choose(_meta([1024] * 8), _profile(0.5), device="cuda")
+    assert cpu.tile == op.INTERPRETER_TILE and list(cpu.predicted_us) == [
+        op.INTERPRETER_TILE.name]
+    assert cpu.plan.breakdown.local_tiles == default.plan.breakdown.local_tiles == 8 * 8 * 16
+    assert default.tile == op.WIDE_TILE
+
+
+def test_choose_false_plans_the_default_tile_alone():
+    """The dispatcher's reference path on CUDA (`choose=False`): one plan, the default
+    tile, whatever the profile offers."""
+    choice = op.plan_call(_meta([1024] * 8), GatherRSOptions(backend="triton"), device=CUDA,
+                          hidden=H, ffn=F, elem_bytes=2, num_sms=NUM_SMS,
+                          resources=lambda t: None, profile=_profile(0.5), choose=False)
+    assert choice.tile == op.DEFAULT_TMA_TILE
+    assert list(choice.predicted_us) == [op.DEFAULT_TMA_TILE.name]
 
 
 def test_the_shipped_h100_profile_offers_the_wide_tile():
@@ -142,11 +160,14 @@ def test_the_shipped_h100_profile_offers_the_wide_tile():
 
 
 @pytest.mark.parametrize("value, world, considered", [
-    ("", 1, True), ("", 2, False), ("0", 1, False), ("1", 1, True), ("1", 2, True),
-    ("0", 4, False)])
+    ("", 1, True), ("", 2, False), ("0", 1, False), ("1", 1, True), ("1", 2, False),
+    ("1", 4, False), ("0", 4, False)])
 def test_the_variable_turns_the_choice_on_and_off(monkeypatch, value, world, considered):
+    """World 1 only, whatever the variable says: at world > 1 every rank must run the same
+    tile shape, and a choice from each rank's own rows could differ between ranks (a
+    receiver counts its expected arrivals with its own BM x BN)."""
     monkeypatch.setenv(config.TILE_CHOICE_ENV, value)
-    assert config.TILE_CHOICE_DEFAULT_MAX_WORLD == 1
+    assert config.TILE_CHOICE_MAX_WORLD == 1
     assert config.tile_choice_enabled(world) is considered
     group = {1: (1, 1), 2: (1, 2), 4: (2, 2)}[world]
     choice = _choose(_meta([1024] * 8, group), _profile(0.5))
@@ -199,18 +220,17 @@ calibrate = _load("calibrate")
 def test_calibrate_tiles_default_to_the_candidates():
     assert calibrate.candidate_tiles() == list(op.TILE_CANDIDATES)
     assert calibrate.candidate_tiles([]) == []
-    assert calibrate.candidate_tiles(["256x128x64w8s4", "128x128x64w4s3"]) == [
-        op.WIDE_TILE, op.TileConfig(bn=128, num_warps=4)]
+    assert calibrate.candidate_tiles(["256x128x64w8s4"]) == [op.WIDE_TILE]
 
 
 @pytest.mark.parametrize("names, message", [
-    (["256x128x32w8s4"], "BK 32"),
-    (["256x128x64w8s4dyn"], "no 'dyn'"),
-    (["256x128x64w8s4g2"], "no 'g2'"),
-    (["128x256x64w8s4"], "the default tile"),
-    (["256x128x64w8s4", "256x128x64w8s3"], "already listed"),
-    (["128x128x64w8s3tma"], "register-store tile listed too"),
-    (["bogus"], "tile variant 'bogus'"),
+    # another configuration of a candidate's shape: its time would be read as the
+    # candidate's (a profile entry is keyed by shape and epilogue)
+    (["256x128x64w4s2"], "expected one of the resource manager's candidate tiles"),
+    (["128x256x64w8s3"], "expected one of the resource manager's candidate tiles"),
+    (["128x128x64w8s3tma"], "expected one of the resource manager's candidate tiles"),
+    (["256x128x64w8s4", "256x128x64w8s4"], "listed twice"),
+    (["bogus"], "'bogus': expected one of"),
 ])
 def test_calibrate_refuses_bad_tiles_before_measuring(names, message, tmp_path, capsys):
     out = tmp_path / "p.yaml"
@@ -233,17 +253,21 @@ def test_calibrate_dry_run_writes_the_candidate_entries(tmp_path):
     assert (got.alpha_us, got.beta_us) == pytest.approx((want.alpha_us, want.beta_us), abs=1e-3)
     shapes = {(r["bm"], r["bn"], r["bk"], r["tma_store"]) for r in prof.extra["tile_sweep"]}
     assert shapes == {t.key for t in prof.tile_times}
-    assert prof.extra["tiles_copied_from_base"] == []
+    assert {r["tile"] for r in prof.extra["tile_sweep"]} == {
+        op.DEFAULT_TILE.name, op.DEFAULT_TMA_TILE.name, w.name}
 
 
-def test_calibrate_without_a_candidate_keeps_the_bases_entry(tmp_path):
+def test_calibrate_without_a_candidate_writes_no_candidate_entry(tmp_path):
+    """A candidate not measured in the run is not copied from the base (the choice would
+    compare another run's or GPU's time with this run's default tile): not offered."""
     out = tmp_path / "h100.yaml"
     assert calibrate.main(["--dry-run", "--base", "h100", "--tiles", "--out", str(out)]) == 0
-    prof, base = load_profile(out), load_profile("h100")
-    w = op.WIDE_TILE
-    assert prof.tile_time(w.bm, w.bn, w.bk) == base.tile_time(w.bm, w.bn, w.bk)
-    assert prof.extra["tiles_copied_from_base"] == ["256x128x64"]
+    prof, w = load_profile(out), op.WIDE_TILE
+    assert load_profile("h100").has_tile_time(w.bm, w.bn, w.bk)
+    assert not prof.has_tile_time(w.bm, w.bn, w.bk)
     assert not any(r.get("bm") == 256 for r in prof.extra["tile_sweep"])
+    choice = _choose(_meta([1024] * 8), prof)
+    assert list(choice.predicted_us) == [op.DEFAULT_TMA_TILE.name]
 
 
 def test_old_sweep_rows_without_a_shape_fit_the_default_tile():
