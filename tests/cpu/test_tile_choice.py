@@ -241,10 +241,19 @@ def test_calibrate_refuses_bad_tiles_before_measuring(names, message, tmp_path, 
     assert not out.exists()
 
 
+def _base_with_wide_tile(tmp_path):
+    """A base profile YAML with a `WIDE_TILE` entry (0.9 x the H100's default tile)."""
+    path = tmp_path / "base-with-wide.yaml"
+    save_profile(_profile(0.9), path)
+    return path
+
+
 def test_calibrate_dry_run_writes_the_candidate_entries(tmp_path):
     out = tmp_path / "h100.yaml"
-    assert calibrate.main(["--dry-run", "--base", "h100", "--tma-store", "--out", str(out)]) == 0
-    prof, base = load_profile(out), load_profile("h100")
+    base_path = _base_with_wide_tile(tmp_path)
+    assert calibrate.main(["--dry-run", "--base", str(base_path), "--tma-store", "--out",
+                           str(out)]) == 0
+    prof, base = load_profile(out), load_profile(base_path)
     w = op.WIDE_TILE
     assert [t.key for t in prof.tile_times] == [
         (128, 256, 64, False), (128, 256, 64, True), (w.bm, w.bn, w.bk, False)]
@@ -261,9 +270,11 @@ def test_calibrate_without_a_candidate_writes_no_candidate_entry(tmp_path):
     """A candidate not measured in the run is not copied from the base (the choice would
     compare another run's or GPU's time with this run's default tile): not offered."""
     out = tmp_path / "h100.yaml"
-    assert calibrate.main(["--dry-run", "--base", "h100", "--tiles", "--out", str(out)]) == 0
+    base_path = _base_with_wide_tile(tmp_path)
+    assert calibrate.main(["--dry-run", "--base", str(base_path), "--tiles", "--out",
+                           str(out)]) == 0
     prof, w = load_profile(out), op.WIDE_TILE
-    assert load_profile("h100").has_tile_time(w.bm, w.bn, w.bk)
+    assert load_profile(base_path).has_tile_time(w.bm, w.bn, w.bk)
     assert not prof.has_tile_time(w.bm, w.bn, w.bk)
     assert not any(r.get("bm") == 256 for r in prof.extra["tile_sweep"])
     choice = _choose(_meta([1024] * 8), prof)
