@@ -8,7 +8,8 @@ What it measures (CUDA events, median of --iters runs after --warmup; rank 0's v
 written, every rank measures alike at the same time, as in the fused op):
   tile time  the fused kernel's GEMM2 tiles alone (`_Call.gemm_only` on the plan's grid G,
              world-1 metadata, H = --hidden, 8 experts, top-2, --tokens tokens, uniform
-             routing) for every F in --ffn: tau(F) = time / ceil(tiles / G); then a least-
+             routing) for every F in --ffn, every tile below on the same operands and
+             timed interleaved (since v6.2): tau(F) = time / ceil(tiles / G); then a least-
              squares fit tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0); the register-
              store epilogue (`DEFAULT_TILE`, whatever $MEGATRON_OVERLAP_TMA_STORE says),
              and with --tma-store also the TMA-store one (`DEFAULT_TMA_TILE`): a second
@@ -230,10 +231,15 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
 
 # ---- GPU measurements ------------------------------------------------------------------
 
-def measure_tiles(args, device, timed, base: HardwareProfile, tile=None) -> List[dict]:
-    """The tile-time sweep of one tile configuration (`ops.triton_gemm2_gatherrs.TileConfig`;
-    None: `DEFAULT_TILE`'s register stores; its epilogue set explicitly, not by the
-    environment)."""
+def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
+                  tiles=None) -> List[dict]:
+    """The tile-time sweep of tile configurations (`ops.triton_gemm2_gatherrs.TileConfig`s;
+    None or an empty list: `DEFAULT_TILE`'s register stores alone; each epilogue set
+    explicitly, not by the environment). For each F every tile's GEMM2 runs on the same
+    operands, the tiles timed interleaved round by round (`bench_op.timed_interleaved`, a
+    Williams order) since v6.2: the resource manager's tile choice compares these times with
+    each other, and tiles timed one sweep after another had the machine's drift between them
+    (docs/perf_notes.md v6.2)."""
     import torch
 
     from megatron_overlap.bench.workloads import rank_rows, routing_maps
@@ -243,15 +249,17 @@ def measure_tiles(args, device, timed, base: HardwareProfile, tile=None) -> List
     from megatron_overlap.resource import plan_gemm2_gatherrs
     from megatron_overlap.symm import get_workspace
 
-    tile = tile or REGISTER_TILE
-    shape = (tile.bm, tile.bn, tile.bk)
-    tma_store = epilogue_stores_tma(tile, args.hidden, 2)
-    if not base.has_tile_time(*shape, tma_store):
-        # a tile new to the base profile: a placeholder time, so that the plan below counts
-        # this tile's tiles (its time only sets k, and at world 1 no tile is remote)
-        base = dataclasses.replace(base, tile_times=base.tile_times + tuple(
-            TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
-            for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
+    tiles = list(tiles or [REGISTER_TILE])
+    for tile in tiles:
+        shape = (tile.bm, tile.bn, tile.bk)
+        tma_store = epilogue_stores_tma(tile, args.hidden, 2)
+        if not base.has_tile_time(*shape, tma_store):
+            # a tile new to the base profile: a placeholder time, so that the plan below
+            # counts this tile's tiles (its time only sets k, and at world 1 no tile is
+            # remote)
+            base = dataclasses.replace(base, tile_times=base.tile_times + tuple(
+                TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
+                for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     maps = routing_maps([args.tokens], 8, 2, "uniform", seed=args.seed)
     meta = rank_rows(maps, tp=1, ep=1, rank=0, topk=2).meta.to(device)
@@ -263,21 +271,29 @@ def measure_tiles(args, device, timed, base: HardwareProfile, tile=None) -> List
         h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
         w2 = (torch.randn(8, args.hidden, f, generator=gen, device=device) / f**0.5).to(
             torch.bfloat16)
-        plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"), num_sms=num_sms,
-                                   hidden=args.hidden, ffn=f, tma_store=tma_store,
-                                   profile=base, tile=shape)
-        call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype, device=device,
-                     timeout_s=30.0, tile=tile)
-        call.run(h, w2)  # world 1: every tile local; gemm_only needs a call that was run
-        t = timed(lambda call=call, g=plan.num_ctas: call.gemm_only(g), args.warmup, args.iters,
-                  args.queue_ms)
-        tiles = plan.breakdown.local_tiles
-        waves = -(-tiles // plan.num_ctas)
-        rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk, ffn=f,
-                         ksteps=-(-f // tile.bk), tiles=tiles,
-                         grid=plan.num_ctas, waves=waves, ctas_per_sm=plan.breakdown.ctas_per_sm,
-                         ms=t["p50"], tau_us=t["p50"] * 1e3 / waves, tma_store=tma_store))
-        del h, w2, call
+        calls = []
+        for tile in tiles:
+            tma_store = epilogue_stores_tma(tile, args.hidden, 2)
+            plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"),
+                                       num_sms=num_sms, hidden=args.hidden, ffn=f,
+                                       tma_store=tma_store, profile=base,
+                                       tile=(tile.bm, tile.bn, tile.bk))
+            call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype, device=device,
+                         timeout_s=30.0, tile=tile)
+            call.run(h, w2)  # world 1: every tile local; gemm_only needs a call that was run
+            calls.append((tile, tma_store, plan, call))
+        times = timed_interleaved([lambda c=c, g=p.num_ctas: c.gemm_only(g)
+                                   for _, _, p, c in calls], args.warmup, args.iters,
+                                  args.queue_ms)
+        for (tile, tma_store, plan, _), t in zip(calls, times):
+            tiles_n = plan.breakdown.local_tiles
+            waves = -(-tiles_n // plan.num_ctas)
+            rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk, ffn=f,
+                             ksteps=-(-f // tile.bk), tiles=tiles_n, grid=plan.num_ctas,
+                             waves=waves, ctas_per_sm=plan.breakdown.ctas_per_sm,
+                             ms=t["p50"], tau_us=t["p50"] * 1e3 / waves, tma_store=tma_store,
+                             interleaved=len(calls)))
+        del h, w2, calls, times
         torch.cuda.empty_cache()
     return rows
 
@@ -416,11 +432,11 @@ def main(argv=None) -> int:
     gpu = gpu_limits(base.gpu, props)
     from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
 
-    tile_rows = measure_tiles(args, device, bench_op.timed, base)
-    if args.tma_store:
-        tile_rows += measure_tiles(args, device, bench_op.timed, base, DEFAULT_TMA_TILE)
-    for tile in extra_tiles:
-        tile_rows += measure_tiles(args, device, bench_op.timed, base, tile)
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
+
+    tile_rows = measure_tiles(args, device, bench_op.timed_interleaved, base,
+                              [REGISTER_TILE] + ([DEFAULT_TMA_TILE] if args.tma_store else [])
+                              + list(extra_tiles))
     hbm_gbps, launch_us = measure_local(args, device, bench_op.timed)
     world = dist.get_world_size()
     if world > 1:

@@ -39,7 +39,12 @@ TILE_CHOICE_ENV = "MEGATRON_OVERLAP_TILE_CHOICE"
 """Whether the resource manager picks the GEMM2 tile of each call (`tile_choice_enabled`):
 "1" or unset: among the default tile and `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` by the
 wave model (`ops.triton_gemm2_gatherrs.plan_call`) for calls whose TP x EP group has at most
-`TILE_CHOICE_MAX_WORLD` (1) rank; "0": always the default tile (`default_tile`)."""
+`TILE_CHOICE_MAX_WORLD` (1) rank; "all": for every call, at world > 1 from the group-wide
+routed counts, so every rank of the group picks the same tile (v6.2; not yet run on two
+GPUs); "0": always the default tile (`default_tile`)."""
+
+TILE_CHOICE_VALUES = ("0", "1", "all")
+"""The values $MEGATRON_OVERLAP_TILE_CHOICE takes (unset or empty: as "1")."""
 
 HOST_TABLES_ENV = "MEGATRON_OVERLAP_HOST_TABLES"
 """How a direct call's host tables (segments, finalize bases, arrival targets) reach its
@@ -99,7 +104,7 @@ def fused_path_settings(world_size: int, triton_gpu: bool = True,
     """The effective values of the fused path's per-call variables for calls over
     `world_size` ranks (the TP x EP group), as the benchmarks' rows record them:
     {"tma_store": bool, "tma_store_env": "" | "0" | "1", "tile_choice": bool,
-    "tile_choice_env": "" | "0" | "1", "tile_list": "device" | "host",
+    "tile_choice_env": "" | "0" | "1" | "all", "tile_list": "device" | "host",
     "host_tables": "fused" | "steps", "fast_launch": "0" | "1" | "direct", "host_cache":
     bool, "host_splits": bool, "hw_profile": str} (unset and empty read as the defaults).
     `hw_profile` is the `name` of the hardware profile the resource manager plans with
@@ -244,25 +249,34 @@ def tile_choice_enabled(world_size: int) -> bool:
     """$MEGATRON_OVERLAP_TILE_CHOICE: whether a call over `world_size` ranks (its TP x EP
     group) on the GPU lets the resource manager pick its GEMM2 tile among the default tile
     and `ops.triton_gemm2_gatherrs.TILE_CANDIDATES` (`ops.triton_gemm2_gatherrs.plan_call`):
-    "1", unset or empty: where `world_size <= TILE_CHOICE_MAX_WORLD`; "0": never (the
-    default tile, `default_tile`).
+    "1", unset or empty: where `world_size <= TILE_CHOICE_MAX_WORLD`; "all": at every world
+    size (at world > 1 from group-wide inputs only, see `plan_call`); "0": never (the default
+    tile, `default_tile`).
 
     Raises:
         TypeError: world_size is not an int.
-        ValueError: world_size < 1; the variable is anything other than "0" or "1".
+        ValueError: world_size < 1; the variable is not one of `TILE_CHOICE_VALUES`.
     """
     _check_world_size(world_size)
-    return _zero_or_one(TILE_CHOICE_ENV, True) and world_size <= TILE_CHOICE_MAX_WORLD
+    value = getenv(TILE_CHOICE_ENV, "")
+    if value not in ("",) + TILE_CHOICE_VALUES:
+        raise ValueError(f"{TILE_CHOICE_ENV}={value!r}: expected one of "
+                         f"{', '.join(repr(v) for v in TILE_CHOICE_VALUES)} (or unset)")
+    if value == "all":
+        return True
+    return value != "0" and world_size <= TILE_CHOICE_MAX_WORLD
 
 
 TILE_CHOICE_MAX_WORLD = 1
-"""The GEMM2 tile is chosen per call only for process groups of at most this many ranks,
-whatever $MEGATRON_OVERLAP_TILE_CHOICE says. At world 1 every tile is local, so the choice
-changes the GEMM2's waves and tile rate only (docs/perf_notes.md v6.1). At world > 1 every
-rank of the group must run the same tile shape (a receiver's expected arrivals count the
-senders' tiles with its own BM x BN), and a choice from each rank's own rows could differ
-between ranks; a group-wide choice (from the exchanged counts, as the mode choice does) and
-its 2-GPU measurement are not done."""
+"""Where $MEGATRON_OVERLAP_TILE_CHOICE is unset or "1", the GEMM2 tile is chosen per call
+only for process groups of at most this many ranks. At world 1 every tile is local, so the
+choice changes the GEMM2's waves and tile rate only (docs/perf_notes.md v6.1). At world > 1
+every rank of the group must run the same tile shape (a receiver's expected arrivals count
+the senders' tiles with its own BM x BN), so "all" decides there from what every rank holds
+alike (the exchanged routed counts, the shapes, the profile: the slowest rank's predicted
+time, as the mode choice). The choice is CPU-tested and `WIDE_TILE`'s kernels at world 2
+have run emulated on one GPU (docs/perf_notes.md v6.2); neither has run on two GPUs, hence
+not the default there."""
 
 
 def _check_world_size(world_size) -> None:

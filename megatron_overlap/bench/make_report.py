@@ -657,7 +657,7 @@ in older rows: shown as "-"). "tma_store" shows the variable as the run set it
 (`tma_store_env`: "unset", "0", "1"; rows from before v5.9 have only `tma_store`, which
 then was that variable's value): the epilogue itself (`tma_store`) depends on the layout's
 group size since v5.9, so it would split one run's rows. "tile_choice" likewise shows
-`tile_choice_env` (`MEGATRON_OVERLAP_TILE_CHOICE`: "unset", "0", "1"; "-" in rows from
+`tile_choice_env` (`MEGATRON_OVERLAP_TILE_CHOICE`: "unset", "0", "1", "all"; "-" in rows from
 before v6.1, which always ran the default tile)."""
 
 

@@ -194,8 +194,9 @@ faster (2 %): a smaller predicted gain is within the tile-time fits' own error a
 @dataclass(frozen=True)
 class TileChoice:
     """`plan_call`'s result: the tile the call runs, its plan, and the model's predicted
-    time of every tile it compared (`Plan.predicted_us`, microseconds; the default tile
-    first), by `TileConfig.name`."""
+    time of every tile it compared (microseconds, the default tile first, by
+    `TileConfig.name`): `Plan.predicted_us` at world 1, the group's slowest rank
+    (`resource.group_time_us`) where it compared tiles at world > 1."""
 
     tile: TileConfig
     plan: Plan
@@ -208,13 +209,20 @@ def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: 
     """The GEMM2 tile and the plan of one call: the resource manager's wave model
     (`resource.plan_gemm2_gatherrs`, C++ solver) run for the call's default tile
     (`default_tile(device, meta.group_size)`) and, where `choose`, the call runs on CUDA
-    with an SM count and `tile_choice_enabled(group size)` (world 1 only), for each of
-    `TILE_CANDIDATES` the hardware profile has a tile time for; the fastest candidate
-    predicted at least `TILE_CHOICE_MARGIN` faster than the default tile wins, else the
-    default tile. Nothing is measured, compiled or launched: the tile counts come from the
-    routing metadata (ceil(rows / BM) x ceil(H / BN) per expert), the tile times from the
-    profile (tau(F) = alpha + beta x ceil(F / BK)), the time from whole waves of the grid
-    (DESIGN.md §4).
+    with an SM count and `tile_choice_enabled(group size)` (unset: world 1 only; "all":
+    every world), for each of `TILE_CANDIDATES` the hardware profile has a tile time for;
+    the fastest candidate predicted at least `TILE_CHOICE_MARGIN` faster than the default
+    tile wins, else the default tile. Nothing is measured, compiled or launched: the tile
+    counts come from the routing metadata (ceil(rows / BM) x ceil(H / BN) per expert), the
+    tile times from the profile (tau(F) = alpha + beta x ceil(F / BK)), the time from whole
+    waves of the grid (DESIGN.md §4).
+
+    What is compared: at world 1 each tile's `Plan.predicted_us` (this rank's GEMM2 waves,
+    finalize and launches); at world > 1 the group's slowest rank in the mode the plan runs
+    (`resource.group_time_us`), whose inputs every rank of the group holds alike (the
+    exchanged routed counts, shapes, profile), so every rank picks the same tile, as the
+    senders and receivers of one call must (a receiver counts its expected arrivals with its
+    own BM x BN). Metadata without routed counts or top-k at world > 1: the default tile.
 
     Args:
         meta, options: as `plan_gemm2_gatherrs`.
@@ -231,7 +239,8 @@ def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: 
             the reference backend).
 
     Returns:
-        A `TileChoice`.
+        A `TileChoice` (its `predicted_us`: the compared time of each tile planned; the
+        default tile's `Plan.predicted_us` where it is planned alone).
 
     Raises:
         as `plan_gemm2_gatherrs` and `default_tile`; ValueError: a bad
@@ -239,33 +248,41 @@ def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: 
     """
     from megatron_overlap.config import tile_choice_enabled
     from megatron_overlap.resource import DEFAULT_TILE as DEFAULT_SHAPE
-    from megatron_overlap.resource import load_profile, plan_gemm2_gatherrs
+    from megatron_overlap.resource import group_time_us, load_profile, plan_gemm2_gatherrs
 
     default = default_tile(device, meta.group_size)
     cuda = (device.type if isinstance(device, torch.device) else torch.device(device).type
             ) == "cuda"
     tiles = [default]
-    if tile_choice_enabled(meta.group_size) and choose and cuda and num_sms is not None:
+    group = meta.group_size > 1
+    if tile_choice_enabled(meta.group_size) and choose and cuda and num_sms is not None and (
+            not group or (meta.routed_counts is not None and meta.topk)):
         prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
         tiles += [t for t in TILE_CANDIDATES if t != default and prof.has_tile_time(
             t.bm, t.bn, t.bk, epilogue_stores_tma(t, hidden, elem_bytes))]
-    plans = []
+    plans, scores = [], []
     for tile in tiles:
-        plans.append(plan_gemm2_gatherrs(
+        shape = (tile.bm, tile.bn, tile.bk) if cuda else DEFAULT_SHAPE
+        tma = epilogue_stores_tma(tile, hidden, elem_bytes)
+        plan = plan_gemm2_gatherrs(
             meta, options, num_sms=num_sms, hidden=hidden, ffn=ffn, elem_bytes=elem_bytes,
-            recv_rows=recv_rows, kernel=resources(tile), profile=profile,
-            tile=(tile.bm, tile.bn, tile.bk) if cuda else DEFAULT_SHAPE,
-            tma_store=epilogue_stores_tma(tile, hidden, elem_bytes)))
+            recv_rows=recv_rows, kernel=resources(tile), profile=profile, tile=shape,
+            tma_store=tma)
+        plans.append(plan)
+        scores.append(group_time_us(meta, plan, num_sms=num_sms, hidden=hidden, ffn=ffn,
+                                    elem_bytes=elem_bytes, profile=profile, tile=shape,
+                                    tma_store=tma)
+                      if group and len(tiles) > 1 else plan.predicted_us)
     best = 0
-    base_us = plans[0].predicted_us
+    base_us = scores[0]
     for i in range(1, len(plans)):
-        us = plans[i].predicted_us
+        us = scores[i]
         if (base_us is not None and us is not None
                 and us < (1.0 - TILE_CHOICE_MARGIN) * base_us
-                and (best == 0 or us < plans[best].predicted_us)):
+                and (best == 0 or us < scores[best])):
             best = i
     return TileChoice(tile=tiles[best], plan=plans[best],
-                      predicted_us={t.name: p.predicted_us for t, p in zip(tiles, plans)})
+                      predicted_us={t.name: us for t, us in zip(tiles, scores)})
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "Plan",
     "PlanBreakdown",
     "kernel_resources_from_compiled",
+    "group_time_us",
     "load_profile",
     "plan_gemm2_gatherrs",
 ]
@@ -203,6 +204,13 @@ def _cached_static_inputs(solver: Optional[str], solver_env: Optional[str], prof
     return _static_inputs(solver, profile, res)
 
 
+def _tau_ref_ps(tile_time, ffn: int, bk: int) -> int:
+    """The mode model's tile time tau(F) = alpha + beta x ceil(F / BK) in picoseconds (>= 1),
+    from the profile's tile time alone (the same on every rank of a group)."""
+    return max(1, _model._ps((tile_time.alpha_us + tile_time.beta_us * float(-(-ffn // bk)))
+                             * 1e6))
+
+
 def plan_gemm2_gatherrs(
     meta: GatherRSMetadata,
     options: GatherRSOptions,
@@ -317,8 +325,7 @@ def plan_gemm2_gatherrs(
     auto = (options.prereduce == "auto" and meta.group_size > 1
             and meta.routed_counts is not None and meta.topk)
     ref_ctas = tile_time.ctas_per_sm
-    tau_ref_ps = max(1, _model._ps(
-        (tile_time.alpha_us + tile_time.beta_us * float(-(-ffn // bk))) * 1e6)) if auto else 1
+    tau_ref_ps = _tau_ref_ps(tile_time, ffn, bk) if auto else 1
     # One crossing of the solver's binding: tiles, problem, k, the breakdown's terms, and
     # the two modes' times where the mode is chosen.
     (k, gemm_ps, remote_tiles, local_tiles, tau_ps, remote_tile_ps, remote_bound_ps,
@@ -355,3 +362,48 @@ def plan_gemm2_gatherrs(
         mode = choice.mode
     return Plan(num_comm_ctas=k, num_ctas=grid, source=source, predicted_us=predicted,
                 breakdown=breakdown, mode=mode, mode_choice=choice)
+
+
+def group_time_us(meta: GatherRSMetadata, plan: Plan, *, num_sms: int, hidden: int, ffn: int,
+                  elem_bytes: int, profile=None, tile: Tuple[int, int, int] = DEFAULT_TILE,
+                  tma_store: bool = False, solver: Optional[str] = None) -> Optional[float]:
+    """The predicted time of the slowest rank of the call's TP x EP group in the mode `plan`
+    runs (microseconds, launches not included): the mode model's direct or pre-reduced time
+    (`resource.mode`, docs/resource_model.md "The mode choice"), the pre-reduced one with the
+    profile's `prereduce_host_us`. Every input is one that every rank of the group holds
+    alike (the exchanged routed counts, the shapes, the profile and the SM count), so every
+    rank computes the same number; `ops.triton_gemm2_gatherrs.plan_call` compares tiles by it
+    at world > 1. Where the plan chose its mode (`Plan.mode_choice`) its times are reused;
+    otherwise (a fixed mode) the mode model runs once here (C++ `mode_times`, a few us).
+
+    Args:
+        meta: the call's metadata (its `routed_counts` and `topk` are what this reads).
+        plan: `plan_gemm2_gatherrs`'s plan of the call for `tile` (its `mode`).
+        num_sms: S of the GPU; hidden, ffn: H, F; elem_bytes: bytes per element of h.
+        profile, tile, tma_store, solver: as `plan_gemm2_gatherrs` (the tile time used is
+            the profile's for `tile` and `tma_store`, at its calibrated CTAs per SM).
+
+    Returns:
+        The time, or None where the metadata has no routed counts or top-k (no group-wide
+        inputs: e.g. metadata built without the dispatcher's counts).
+
+    Raises:
+        ValueError: the profile has no tile time for `tile`; as `resource.mode.choose_mode`.
+    """
+    from megatron_overlap.resource.mode import choose_mode
+
+    mc = plan.mode_choice
+    if mc is None:
+        if meta.routed_counts is None or not meta.topk:
+            return None
+        prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+        tile_time = prof.tile_time(tile[0], tile[1], tile[2], tma_store)
+        mc = choose_mode(meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size,
+                         topk=meta.topk, hidden=hidden, elem_bytes=elem_bytes,
+                         grid=num_sms * tile_time.ctas_per_sm,
+                         tile_ps=_tau_ref_ps(tile_time, ffn, tile[2]), tile=tile,
+                         link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps,
+                         solver=solver, prereduce_host_us=prof.prereduce_host_us)
+    if plan.mode == "prereduce":
+        return mc.prereduce_us + mc.prereduce_host_us
+    return mc.direct_us

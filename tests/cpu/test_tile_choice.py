@@ -161,11 +161,10 @@ def test_the_shipped_h100_profile_offers_the_wide_tile():
 
 @pytest.mark.parametrize("value, world, considered", [
     ("", 1, True), ("", 2, False), ("0", 1, False), ("1", 1, True), ("1", 2, False),
-    ("1", 4, False), ("0", 4, False)])
+    ("1", 4, False), ("0", 4, False), ("all", 1, True), ("all", 2, True), ("all", 4, True)])
 def test_the_variable_turns_the_choice_on_and_off(monkeypatch, value, world, considered):
-    """World 1 only, whatever the variable says: at world > 1 every rank must run the same
-    tile shape, and a choice from each rank's own rows could differ between ranks (a
-    receiver counts its expected arrivals with its own BM x BN)."""
+    """Unset or "1": world 1 only; "all": every world (at world > 1 from the group-wide
+    counts, below); "0": never."""
     monkeypatch.setenv(config.TILE_CHOICE_ENV, value)
     assert config.TILE_CHOICE_MAX_WORLD == 1
     assert config.tile_choice_enabled(world) is considered
@@ -179,7 +178,7 @@ def test_the_variable_turns_the_choice_on_and_off(monkeypatch, value, world, con
     assert config.fused_path_settings(world, triton_gpu=False)["tile_choice"] is False
 
 
-@pytest.mark.parametrize("value", ["yes", "true", " 1", "2"])
+@pytest.mark.parametrize("value", ["yes", "true", " 1", "2", "ALL", "group"])
 def test_a_bad_variable_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv(config.TILE_CHOICE_ENV, value)
     for call in (lambda: config.tile_choice_enabled(1), config.check_environment,
@@ -210,6 +209,143 @@ def test_empty_experts_and_no_rows_plan_without_error():
         choice = _choose(_meta(rows), _profile(0.5))
         assert choice.plan.predicted_us is not None
     assert _choose(_meta([0] * 8), _profile(0.5)).plan.breakdown.local_tiles == 0
+
+
+# ---- world > 1: one tile for the whole group, from what every rank holds alike --------------
+
+def _group_metas(counts, tp, ep, topk=2):
+    """The metadata of every rank g (= ep * TP + tp) of a TP x EP group from one routed
+    counts array [R, E] (as the dispatcher all-gathers it)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    metas = []
+    for g in range(tp * ep):
+        tokens = max(1, int(counts[g].sum()))
+        metas.append(triton_metadata(
+            counts, tp_size=tp, tp_rank=g % tp, ep_size=ep, ep_rank=g // tp, topk=topk,
+            routing_map=torch.zeros(tokens, counts.shape[1], dtype=torch.bool)))
+    return metas
+
+
+def _uneven_ep2_counts():
+    """EP2, 16 experts (8 per rank), 2 source ranks: rank 0's experts get 2 x 512 = 1024
+    rows each (8 waves of either tile on 132 SMs), rank 1's 2 x 550 = 1100 (1152 tiles of
+    128 x 256 in 9 waves against 1280 of 256 x 128 in 10)."""
+    return [[512] * 8 + [550] * 8, [512] * 8 + [550] * 8]
+
+
+def _alone(meta, prof, tile):
+    """This rank's own prediction for `tile` (the world-1 comparison)."""
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+
+    return plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"), num_sms=NUM_SMS,
+                               hidden=H, ffn=F, elem_bytes=2, profile=prof,
+                               tile=(tile.bm, tile.bn, tile.bk)).predicted_us
+
+
+def test_the_group_picks_one_tile_where_each_rank_alone_would_differ(monkeypatch):
+    """With a wide tile 10 % faster per tile, rank 0's rows alone favour it (8 waves
+    either way), rank 1's the default tile (9 waves against 10): with "all" both ranks
+    compare the group's slowest rank (rank 1) and pick the same tile, the default, with the
+    same numbers."""
+    monkeypatch.setenv(config.TILE_CHOICE_ENV, "all")
+    metas = _group_metas(_uneven_ep2_counts(), tp=1, ep=2)
+    prof = _profile(0.9)
+    assert [int(m.tokens_per_local_expert.sum()) for m in metas] == [8 * 1024, 8 * 1100]
+    margin = 1.0 - op.TILE_CHOICE_MARGIN
+    assert _alone(metas[0], prof, op.WIDE_TILE) < margin * _alone(metas[0], prof,
+                                                                   op.DEFAULT_TILE)
+    assert _alone(metas[1], prof, op.WIDE_TILE) >= margin * _alone(metas[1], prof,
+                                                                    op.DEFAULT_TILE)
+    choices = [_choose(m, prof) for m in metas]
+    assert [c.tile for c in choices] == [op.DEFAULT_TILE] * 2
+    assert choices[0].predicted_us == choices[1].predicted_us  # bit for bit: same inputs
+    assert set(choices[0].predicted_us) == {op.DEFAULT_TILE.name, op.WIDE_TILE.name}
+    for c in choices:  # the numbers are the slowest rank's: rank 1, the more rows
+        assert c.plan.mode_choice is not None and c.plan.mode_choice.slowest_rank == 1
+
+
+def test_the_group_choice_follows_the_slowest_ranks_prediction(monkeypatch):
+    """The tile whose slowest rank is predicted faster wins, by the margin; the compared
+    numbers are the mode model's (`resource.mode.choose_mode`) for each tile."""
+    from megatron_overlap.resource.mode import choose_mode
+
+    monkeypatch.setenv(config.TILE_CHOICE_ENV, "all")
+    counts = _uneven_ep2_counts()
+    for ratio, want in ((0.9, op.DEFAULT_TILE), (0.8, op.WIDE_TILE), (0.5, op.WIDE_TILE),
+                        (1.0, op.DEFAULT_TILE)):
+        prof = _profile(ratio)
+        choice = _choose(_group_metas(counts, tp=1, ep=2)[0], prof)
+        expected = {}
+        for t in (op.DEFAULT_TILE, op.WIDE_TILE):
+            tt = prof.tile_time(t.bm, t.bn, t.bk)
+            tau_ps = round((tt.alpha_us + tt.beta_us * (F // t.bk)) * 1e6)
+            mc = choose_mode(np.asarray(counts), tp_size=1, ep_size=2, topk=2, hidden=H,
+                             elem_bytes=2, grid=NUM_SMS, tile_ps=tau_ps,
+                             tile=(t.bm, t.bn, t.bk), link_gbps=prof.link_bandwidth_gbps,
+                             hbm_gbps=prof.hbm_bandwidth_gbps,
+                             prereduce_host_us=prof.prereduce_host_us)
+            expected[t.name] = (mc.prereduce_us + mc.prereduce_host_us
+                                if mc.mode == "prereduce" else mc.direct_us)
+        assert choice.predicted_us == pytest.approx(expected, rel=1e-9), ratio
+        assert choice.tile == want, (ratio, expected)
+
+
+def test_a_fixed_mode_is_priced_in_that_mode(monkeypatch):
+    """moe_gatherrs_prereduce=False (direct) or True: no mode choice in the plan, so the
+    group time is the mode model's for that mode (computed once more, alike on every rank);
+    "auto" reuses the plan's own mode times (the same numbers)."""
+    from megatron_overlap.resource import group_time_us
+
+    monkeypatch.setenv(config.TILE_CHOICE_ENV, "all")
+    prof = _profile(0.8)
+    metas = _group_metas(_uneven_ep2_counts(), tp=1, ep=2)
+    auto = [op.plan_call(m, GatherRSOptions(backend="triton"), device=CUDA, hidden=H, ffn=F,
+                         elem_bytes=2, num_sms=NUM_SMS, resources=lambda t: None,
+                         profile=prof) for m in metas]
+    for prereduce in (False, True):
+        opts = GatherRSOptions(backend="triton", prereduce=prereduce)
+        fixed = [op.plan_call(m, opts, device=CUDA, hidden=H, ffn=F, elem_bytes=2,
+                              num_sms=NUM_SMS, resources=lambda t: None, profile=prof)
+                 for m in metas]
+        assert fixed[0].predicted_us == fixed[1].predicted_us
+        assert fixed[0].tile == fixed[1].tile
+        assert fixed[0].plan.mode == ("prereduce" if prereduce else "direct")
+        assert fixed[0].plan.mode_choice is None
+        mc = auto[0].plan.mode_choice
+        got = fixed[0].predicted_us[fixed[0].tile.name]
+        if fixed[0].tile == auto[0].tile:
+            assert got == pytest.approx(mc.prereduce_us + mc.prereduce_host_us if prereduce
+                                        else mc.direct_us, rel=1e-12)
+    plan = auto[0].plan
+    again = group_time_us(metas[0], dataclasses.replace(plan, mode_choice=None), num_sms=NUM_SMS,
+                          hidden=H, ffn=F, elem_bytes=2, profile=prof,
+                          tile=(auto[0].tile.bm, auto[0].tile.bn, auto[0].tile.bk))
+    assert again == group_time_us(metas[0], plan, num_sms=NUM_SMS, hidden=H, ffn=F,
+                                  elem_bytes=2, profile=prof)
+
+
+def test_no_group_counts_no_choice_at_world_2(monkeypatch):
+    """Metadata without the routed counts (or top-k) at world > 1: nothing every rank
+    holds alike to compare, so the default tile, planned alone."""
+    monkeypatch.setenv(config.TILE_CHOICE_ENV, "all")
+    meta = _group_metas(_uneven_ep2_counts(), tp=1, ep=2)[0]
+    for change in (dict(routed_counts=None), dict(topk=None)):
+        choice = _choose(dataclasses.replace(meta, **change), _profile(0.5))
+        assert choice.tile == op.DEFAULT_TILE and len(choice.predicted_us) == 1
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (1, 4)])
+def test_every_rank_of_tp_and_ep_groups_agrees(monkeypatch, tp, ep):
+    """Random uneven counts over TP2 (SP), TP2 x EP2 and EP4: every rank picks the same tile
+    and compares the same numbers."""
+    monkeypatch.setenv(config.TILE_CHOICE_ENV, "all")
+    rng = np.random.default_rng(tp * 10 + ep)
+    for ratio in (0.5, 0.85, 0.95, 1.1):
+        counts = rng.integers(0, 1500, size=(tp * ep, 8 * ep))
+        choices = [_choose(m, _profile(ratio)) for m in _group_metas(counts, tp, ep)]
+        assert len({c.tile for c in choices}) == 1, ratio
+        assert all(c.predicted_us == choices[0].predicted_us for c in choices), ratio
+        assert len(choices[0].predicted_us) == 2
 
 
 # ---- calibrate.py --tiles -----------------------------------------------------------------

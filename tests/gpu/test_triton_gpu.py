@@ -565,3 +565,25 @@ def test_tile_choice_runs_the_chosen_tile_through_the_op_and_the_layer(tmp_path,
                               backend="nccl", device="cuda")
     flag_suite.check_results(1, cases, results)
     assert {res["last_tile"] for res in results[0]} == {WIDE_TILE.name}, results[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_group_tile_choice_runs_one_tile_on_every_rank(world, tmp_path, monkeypatch):
+    """`MEGATRON_OVERLAP_TILE_CHOICE=all` at world > 1, with a profile that makes
+    `WIDE_TILE` the fastest: every rank of every layout's group picks it from the exchanged
+    counts (`resource.group_time_us`), the senders' tiles and the receivers' expected
+    arrivals agree (no hang), and the Megatron layer's flag-on output matches flag off, in
+    the default "auto" mode and forced direct."""
+    from megatron_overlap.ops.triton_gemm2_gatherrs import WIDE_TILE
+
+    _needs_gpus(world)
+    monkeypatch.setenv("MEGATRON_OVERLAP_HW_PROFILE", str(_fast_wide_tile_profile(tmp_path)))
+    monkeypatch.setenv("MEGATRON_OVERLAP_TILE_CHOICE", "all")
+    cases = [dataclasses.replace(c, dtype=torch.bfloat16, check_grads=False, backend="triton")
+             for c in flag_suite._cases(world) if not c.model]
+    cases += [dataclasses.replace(c, prereduce=False) for c in cases]
+    results = run_distributed(flag_suite._worker, world, cases, timeout_s=400,
+                              backend="nccl", device="cuda")
+    flag_suite.check_results(world, cases, results)
+    for rank, rows in enumerate(results):
+        assert {res["last_tile"] for res in rows} == {WIDE_TILE.name}, (rank, rows)
