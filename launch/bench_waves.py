@@ -36,6 +36,7 @@ from megatron_overlap.bench.cli import (  # noqa: E402
     add_timing_args,
     check_launch_inputs,
     init_cuda_group,
+    make_folder,
     positive_int,
 )
 
@@ -89,7 +90,7 @@ def wave_fields(tiles: int, grid: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--out", required=True, help="JSONL file to append rows to")
     parser.add_argument("--tiles", nargs="+", default=list(DEFAULT_TILES),
                         help="tile configurations (launch/bench_op.py --variants names)")
@@ -107,8 +108,10 @@ def main(argv=None) -> int:
 
     try:
         tiles = [bench_op.parse_tile(name)[0] for name in args.tiles]
+        if not 1 <= args.topk <= args.experts:
+            raise ValueError(f"--topk {args.topk}: expected 1..{args.experts} (--experts)")
         counts = [tokens_for(b, args.experts, args.topk) for b in args.row_blocks]
-        check_launch_inputs(args.out)
+        check_launch_inputs(args.out, create=False)
     except ValueError as err:
         parser.error(str(err))
 
@@ -123,6 +126,10 @@ def main(argv=None) -> int:
     device = init_cuda_group(__file__)
     if device is None:
         return 2
+    try:
+        make_folder(args.out)
+    except ValueError as err:
+        parser.error(str(err))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     profile = load_profile()
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -135,6 +142,10 @@ def main(argv=None) -> int:
             tma = epilogue_stores_tma(tile, args.hidden, 2)
             shape = (tile.bm, tile.bn, tile.bk)
             priced = profile.has_tile_time(*shape, tma)
+            if not priced:
+                print(f"bench_waves: note: profile {profile.name!r} has no tile time for "
+                      f"{tile.name}: its rows have predicted_gemm_us null (planned with the "
+                      "default tile's time)", flush=True)
             for f in args.ffn:
                 w2 = (torch.randn(args.experts, args.hidden, f, generator=gen, device=device)
                       / f**0.5).to(torch.bfloat16)

@@ -74,7 +74,8 @@ def check_environment() -> None:
     """Check every `MEGATRON_OVERLAP_*` variable of the fused path now, so that a typo fails
     where the user can act on it (the dispatcher's construction, a launcher's argument
     check) instead of at the first GPU launch: `MEGATRON_OVERLAP_TILE_LIST`,
-    `MEGATRON_OVERLAP_TMA_STORE`, `MEGATRON_OVERLAP_FAST_LAUNCH`,
+    `MEGATRON_OVERLAP_TMA_STORE`, `MEGATRON_OVERLAP_TILE_CHOICE`,
+    `MEGATRON_OVERLAP_FAST_LAUNCH`,
     `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FC1_CHUNK_MB`,
     `MEGATRON_OVERLAP_HOST_TABLES`, `MEGATRON_OVERLAP_HOST_CACHE`,
     `MEGATRON_OVERLAP_HOST_SPLITS`.

@@ -373,13 +373,17 @@ def group_time_us(meta: GatherRSMetadata, plan: Plan, *, num_sms: int, hidden: i
     profile's `prereduce_host_us`. Every input is one that every rank of the group holds
     alike (the exchanged routed counts, the shapes, the profile and the SM count), so every
     rank computes the same number; `ops.triton_gemm2_gatherrs.plan_call` compares tiles by it
-    at world > 1. Where the plan chose its mode (`Plan.mode_choice`) its times are reused;
-    otherwise (a fixed mode) the mode model runs once here (C++ `mode_times`, a few us).
+    at world > 1. Where the plan chose its mode (`Plan.mode_choice`) its times are reused
+    as they are: they were computed for the plan's own tile, shapes and profile, so then
+    `num_sms`, `hidden`, `ffn`, `elem_bytes`, `profile`, `tile`, `tma_store` and `solver`
+    are checked but not used (pass the plan made for `tile`). Otherwise (a fixed mode) the
+    mode model runs once here (C++ `mode_times`, a few us).
 
     Args:
         meta: the call's metadata (its `routed_counts` and `topk` are what this reads).
         plan: `plan_gemm2_gatherrs`'s plan of the call for `tile` (its `mode`).
-        num_sms: S of the GPU; hidden, ffn: H, F; elem_bytes: bytes per element of h.
+        num_sms: S of the GPU; hidden, ffn: H, F (positive ints); elem_bytes: bytes per
+            element of h (1, 2, 4 or 8).
         profile, tile, tma_store, solver: as `plan_gemm2_gatherrs` (the tile time used is
             the profile's for `tile` and `tma_store`, at its calibrated CTAs per SM).
 
@@ -388,10 +392,30 @@ def group_time_us(meta: GatherRSMetadata, plan: Plan, *, num_sms: int, hidden: i
         inputs: e.g. metadata built without the dispatcher's counts).
 
     Raises:
-        ValueError: the profile has no tile time for `tile`; as `resource.mode.choose_mode`.
+        TypeError: `meta` is not a GatherRSMetadata, `plan` not a Plan, a size not an int
+            (bools refused), `tma_store` not a bool, `tile` not three ints.
+        ValueError: a size < 1, `elem_bytes` not a dtype's size; the profile has no tile
+            time for `tile`; as `resource.mode.choose_mode`.
     """
     from megatron_overlap.resource.mode import choose_mode
 
+    if not isinstance(meta, GatherRSMetadata):
+        raise TypeError(f"meta must be a GatherRSMetadata, got {type(meta).__name__}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    for name, value in (("num_sms", num_sms), ("hidden", hidden), ("ffn", ffn)):
+        _positive_int(name, value)
+    elem_bytes = _positive_int("elem_bytes", elem_bytes)
+    if elem_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"elem_bytes={elem_bytes}: expected the byte size of a dtype "
+                         "(1, 2, 4 or 8)")
+    if tma_store is not True and tma_store is not False:
+        raise TypeError(f"tma_store={tma_store!r}: expected a bool")
+    if (not isinstance(tile, (tuple, list)) or len(tile) != 3
+            or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in tile)):
+        raise TypeError(f"tile={tile!r}: expected (BM, BN, BK), three ints")
+    for name, value in zip(("BM", "BN", "BK"), tile):
+        _positive_int(f"tile {name}", value)
     mc = plan.mode_choice
     if mc is None:
         if meta.routed_counts is None or not meta.topk:
@@ -401,7 +425,7 @@ def group_time_us(meta: GatherRSMetadata, plan: Plan, *, num_sms: int, hidden: i
         mc = choose_mode(meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size,
                          topk=meta.topk, hidden=hidden, elem_bytes=elem_bytes,
                          grid=num_sms * tile_time.ctas_per_sm,
-                         tile_ps=_tau_ref_ps(tile_time, ffn, tile[2]), tile=tile,
+                         tile_ps=_tau_ref_ps(tile_time, ffn, tile[2]), tile=tuple(tile),
                          link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps,
                          solver=solver, prereduce_host_us=prof.prereduce_host_us)
     if plan.mode == "prereduce":

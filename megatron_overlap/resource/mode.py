@@ -41,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class ModeChoice:
@@ -71,7 +73,8 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
 
     Args:
         routed_counts: int [R, E]: tokens of group rank g (g = ep * TP + tp) routed to expert
-            e (`GatherRSMetadata.routed_counts`).
+            e (`GatherRSMetadata.routed_counts`): a NumPy array, or a list / CPU tensor
+            (converted to int64).
         tp_size, ep_size: TP and EP (R = TP * EP rows of routed_counts).
         topk: the router's top-k.
         hidden: H; elem_bytes: bytes per element of the rows that travel.
@@ -98,6 +101,8 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
     from megatron_overlap.resource.solver import implementation
 
     _check_float("prereduce_host_us", prereduce_host_us, positive=False)  # the profile's rule
+    if not isinstance(routed_counts, np.ndarray):  # a list or a CPU tensor: both solvers alike
+        routed_counts = np.asarray(routed_counts, dtype=np.int64)
 
     times = implementation(solver).mode_times(
         routed_counts, tp_size, ep_size, topk, hidden, elem_bytes, grid, tile_ps, tile[0],

@@ -57,6 +57,7 @@ def test_bad_values_are_named(call, message):
     (["--tiles", "bogus"], "tile variant 'bogus'"),
     (["--topk", "3", "--row-blocks", "1"], "row_blocks=1"),
     (["--iters", "0"], "--iters"),
+    (["--experts", "2", "--topk", "4"], "--topk 4: expected 1..2"),
 ])
 def test_bad_arguments_fail_before_any_gpu_work(args, message, tmp_path, capsys):
     out = tmp_path / "w.jsonl"
@@ -65,3 +66,11 @@ def test_bad_arguments_fail_before_any_gpu_work(args, message, tmp_path, capsys)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU refusal")
+def test_without_a_gpu_it_exits_2_and_makes_no_folder(tmp_path, capsys):
+    out = tmp_path / "new" / "w.jsonl"
+    assert waves.main(["--out", str(out)]) == 2
+    assert "needs CUDA GPUs" in capsys.readouterr().err
+    assert not out.parent.exists()

@@ -517,3 +517,20 @@ def test_dispatcher_combine_send_and_finish_pair_up():
         D.combine_send(fake, torch.zeros(2, 4), torch.zeros(1, 2, 4))
     assert first.ws.poisoned and "never finished" in first.ws.poisoned
     assert fake._sent is None
+
+
+@pytest.mark.parametrize("impl", ["cpp", "python"])
+def test_routed_counts_as_a_list_or_a_tensor_give_the_arrays_choice(impl):
+    """Both solvers take the counts as a NumPy array, a nested list or a CPU tensor alike
+    (the C++ binding itself takes only arrays: `choose_mode` converts)."""
+    import torch
+
+    if impl == "cpp" and solver.cpp_module() is None:
+        pytest.skip("C++ solver not built")
+    counts = np.array([[100, 200, 50, 300], [10, 20, 30, 40]], dtype=np.int64)
+    kw = dict(tp_size=1, ep_size=2, topk=2, hidden=4096, elem_bytes=2, grid=132,
+              tile_ps=80_000_000, tile=(128, 256, 64), link_gbps=300.0, hbm_gbps=3000.0,
+              solver=impl)
+    want = choose_mode(counts, **kw)
+    assert choose_mode(counts.tolist(), **kw) == want
+    assert choose_mode(torch.from_numpy(counts), **kw) == want

@@ -434,3 +434,36 @@ def test_profile_with_a_new_tile_round_trips(tmp_path):
     again = load_profile(path)
     assert again.has_tile_time(256, 128, 64) and again.tile_time(256, 128, 64) == \
         prof.tile_time(256, 128, 64)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_sms=0), ValueError, "num_sms=0"),
+    (dict(num_sms=True), TypeError, "num_sms=True"),
+    (dict(hidden=-1), ValueError, "hidden=-1"),
+    (dict(ffn=2.5), TypeError, "ffn=2.5"),
+    (dict(elem_bytes=3), ValueError, "elem_bytes=3"),
+    (dict(elem_bytes=False), TypeError, "elem_bytes=False"),
+    (dict(tma_store=1), TypeError, "tma_store=1"),
+    (dict(tile=(128, 256)), TypeError, "tile="),
+    (dict(tile=(128, 0, 64)), ValueError, "tile BN=0"),
+    (dict(meta="meta"), TypeError, "GatherRSMetadata"),
+    (dict(plan=None), TypeError, "Plan"),
+])
+@pytest.mark.parametrize("fixed_mode", [False, True])
+def test_group_time_refuses_bad_inputs(kwargs, error, match, fixed_mode):
+    """`resource.group_time_us` checks its inputs as `plan_gemm2_gatherrs` does, also where
+    it reuses the plan's own mode times (they are then not recomputed from the inputs)."""
+    from megatron_overlap.resource import group_time_us
+
+    metas = _group_metas(_uneven_ep2_counts(), tp=1, ep=2)
+    opts = GatherRSOptions(backend="triton", prereduce=False if fixed_mode else "auto")
+    call = op.plan_call(metas[0], opts, device=CUDA, hidden=H, ffn=F, elem_bytes=2,
+                        num_sms=NUM_SMS, resources=lambda t: None, profile="h100")
+    assert (call.plan.mode_choice is None) == fixed_mode
+    args = dict(meta=metas[0], plan=call.plan, num_sms=NUM_SMS, hidden=H, ffn=F,
+                elem_bytes=2, profile="h100", tile=(call.tile.bm, call.tile.bn, call.tile.bk),
+                tma_store=call.tile.tma_store)
+    assert group_time_us(**args) > 0
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        group_time_us(**args)
