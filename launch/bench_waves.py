@@ -48,22 +48,11 @@ DEFAULT_TILES = ("128x256x64w8s3tma", "256x128x64w8s4")
 
 
 def balanced_map(num_tokens: int, num_experts: int, topk: int):
-    """[T, E] bool routing map: token t goes to experts (t + j) mod E, j < topk, so every
-    expert gets T x topk / E rows when E divides T.
+    """`megatron_overlap.bench.workloads.balanced_routing_map` (imported here so that no
+    torch import happens before the arguments are checked)."""
+    from megatron_overlap.bench.workloads import balanced_routing_map
 
-    Raises:
-        ValueError: topk not in [1, E], or T not a positive multiple of E.
-    """
-    import torch
-
-    if not 1 <= topk <= num_experts:
-        raise ValueError(f"topk={topk}: expected 1..{num_experts} (the experts)")
-    if num_tokens < 1 or num_tokens % num_experts:
-        raise ValueError(f"num_tokens={num_tokens}: expected a positive multiple of "
-                         f"num_experts={num_experts}")
-    t = torch.arange(num_tokens).unsqueeze(1)
-    cols = (t + torch.arange(topk).unsqueeze(0)) % num_experts
-    return torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, cols, True)
+    return balanced_routing_map(num_tokens, num_experts, topk)
 
 
 def tokens_for(row_blocks: int, num_experts: int, topk: int) -> int:

@@ -7,9 +7,12 @@
 What it measures (CUDA events, median of --iters runs after --warmup; rank 0's values are
 written, every rank measures alike at the same time, as in the fused op):
   tile time  the fused kernel's GEMM2 tiles alone (`_Call.gemm_only` on the plan's grid G,
-             world-1 metadata, H = --hidden, 8 experts, top-2, --tokens tokens, uniform
-             routing) for every F in --ffn, every tile below on the same operands and
-             timed interleaved (since v6.2): tau(F) = time / ceil(tiles / G); then a least-
+             world-1 metadata, H = --hidden, 8 experts, top-2; --sweep whole-waves, the
+             default since v6.2: a balanced routing map whose rows fill whole waves of
+             every tile below, so time / waves is each tile's per-wave time; --sweep
+             uniform: --tokens tokens of uniform routing) for every F in --ffn, every tile
+             below on the same operands and timed interleaved (since v6.2): tau(F) =
+             time / ceil(tiles / G); then a least-
              squares fit tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0); the register-
              store epilogue (`DEFAULT_TILE`, whatever $MEGATRON_OVERLAP_TMA_STORE says),
              and with --tma-store also the TMA-store one (`DEFAULT_TMA_TILE`): a second
@@ -231,6 +234,48 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
 
 # ---- GPU measurements ------------------------------------------------------------------
 
+SWEEP_EXPERTS, SWEEP_TOPK = 8, 2
+"""Experts and top-k of the tile-time sweep's routing (both sweeps)."""
+
+
+def sweep_meta(args, tiles, base: HardwareProfile, num_sms: int):
+    """The tile-time sweep's world-1 metadata (CPU). `--sweep whole-waves` (the default
+    since v6.2): a balanced routing map whose rows per expert
+    (`bench.workloads.whole_wave_rows`) fill whole waves of every tile in `tiles` at its
+    grid (its resident CTAs per SM from `base`, with the GPU's `num_sms`), so time / waves
+    is each tile's per-wave time and the tiles' taus compare (docs/perf_notes.md v6.2);
+    `--tokens` is not used. `--sweep uniform` (before v6.2): `--tokens` tokens of uniform
+    routing, whose last waves are part-filled by different amounts per tile."""
+    from megatron_overlap.bench.workloads import (
+        balanced_routing_map,
+        rank_rows,
+        routing_maps,
+        whole_wave_rows,
+    )
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops.triton_gemm2_gatherrs import epilogue_stores_tma
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+
+    if args.sweep == "uniform":
+        maps = routing_maps([args.tokens], SWEEP_EXPERTS, SWEEP_TOPK, "uniform",
+                            seed=args.seed)
+        return rank_rows(maps, tp=1, ep=1, rank=0, topk=SWEEP_TOPK).meta
+    probe = rank_rows([balanced_routing_map(SWEEP_EXPERTS, SWEEP_EXPERTS, SWEEP_TOPK)],
+                      tp=1, ep=1, rank=0, topk=SWEEP_TOPK).meta
+    shapes = []
+    for tile in tiles:
+        plan = plan_gemm2_gatherrs(probe, GatherRSOptions(backend="triton"), num_sms=num_sms,
+                                   hidden=args.hidden, ffn=args.ffn[0],
+                                   tma_store=epilogue_stores_tma(tile, args.hidden, 2),
+                                   profile=base, tile=(tile.bm, tile.bn, tile.bk))
+        shapes.append((tile.bm, tile.bn, plan.num_ctas))
+    rows = whole_wave_rows(shapes, num_experts=SWEEP_EXPERTS, topk=SWEEP_TOPK,
+                           hidden=args.hidden)
+    tokens = rows * SWEEP_EXPERTS // SWEEP_TOPK
+    return rank_rows([balanced_routing_map(tokens, SWEEP_EXPERTS, SWEEP_TOPK)], tp=1, ep=1,
+                     rank=0, topk=SWEEP_TOPK).meta
+
+
 def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
                   tiles=None) -> List[dict]:
     """The tile-time sweep of tile configurations (`ops.triton_gemm2_gatherrs.TileConfig`s;
@@ -242,7 +287,6 @@ def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
     (docs/perf_notes.md v6.2)."""
     import torch
 
-    from megatron_overlap.bench.workloads import rank_rows, routing_maps
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
     from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, epilogue_stores_tma
@@ -261,8 +305,7 @@ def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
                 TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
                 for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    maps = routing_maps([args.tokens], 8, 2, "uniform", seed=args.seed)
-    meta = rank_rows(maps, tp=1, ep=1, rank=0, topk=2).meta.to(device)
+    meta = sweep_meta(args, tiles, base, num_sms).to(device)
     n = int(meta.tokens_per_local_expert.sum())
     ws = get_workspace(None, hidden=args.hidden, dtype=torch.bfloat16, device=device)
     rows = []
@@ -290,7 +333,8 @@ def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
             waves = -(-tiles_n // plan.num_ctas)
             rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk, ffn=f,
                              ksteps=-(-f // tile.bk), tiles=tiles_n, grid=plan.num_ctas,
-                             waves=waves, ctas_per_sm=plan.breakdown.ctas_per_sm,
+                             waves=waves, fill=round(tiles_n / plan.num_ctas - waves + 1, 4),
+                             sweep=args.sweep, ctas_per_sm=plan.breakdown.ctas_per_sm,
                              ms=t["p50"], tau_us=t["p50"] * 1e3 / waves, tma_store=tma_store,
                              interleaved=len(calls)))
         del h, w2, calls, times
@@ -358,8 +402,12 @@ def main(argv=None) -> int:
                         help="GEMM depths F of the tile-time sweep (>= 2 distinct K-step counts)")
     parser.add_argument("--hidden", type=positive_int, default=4096,
                         help="H of the tile-time sweep")
+    parser.add_argument("--sweep", choices=("whole-waves", "uniform"), default="whole-waves",
+                        help="routing of the tile-time sweep: whole-waves (a balanced map "
+                             "whose rows fill whole waves of every swept tile) or uniform "
+                             "(--tokens tokens, uniform routing: before v6.2)")
     parser.add_argument("--tokens", type=positive_int, default=8192,
-                        help="tokens of the tile-time sweep")
+                        help="tokens of the tile-time sweep with --sweep uniform")
     parser.add_argument("--ctas", nargs="+", type=non_negative_int, default=list(DEFAULT_CTAS),
                         help="peer-store CTA counts (0 = one per SM)")
     parser.add_argument("--store-mib", type=positive_int, default=256,

@@ -11,8 +11,9 @@ without communication. Routing kinds:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -48,6 +49,70 @@ def routing_maps(tokens_per_rank: Sequence[int], num_experts: int, topk: int, ro
         top = scores.topk(topk, dim=1).indices
         maps.append(torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, top, True))
     return maps
+
+
+def balanced_routing_map(num_tokens: int, num_experts: int, topk: int) -> torch.Tensor:
+    """[T, E] bool routing map with no draw: token t goes to experts (t + j) mod E, j < topk,
+    so every expert gets T x topk / E rows when E divides T.
+
+    Raises:
+        ValueError: topk not in [1, E], or T not a positive multiple of E.
+    """
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"topk={topk}: expected 1..{num_experts} (the experts)")
+    if num_tokens < 1 or num_tokens % num_experts:
+        raise ValueError(f"num_tokens={num_tokens}: expected a positive multiple of "
+                         f"num_experts={num_experts}")
+    t = torch.arange(num_tokens).unsqueeze(1)
+    cols = (t + torch.arange(topk).unsqueeze(0)) % num_experts
+    return torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, cols, True)
+
+
+def whole_wave_rows(tiles: Sequence[Tuple[int, int, int]], *, num_experts: int, topk: int,
+                    hidden: int, min_waves: int = 16, max_rows: int = 1 << 16) -> int:
+    """Rows per expert r for a balanced routing map (`balanced_routing_map`) on which every
+    tile in `tiles` fills whole waves: for each (BM, BN, G) (G: the tile's grid, SMs x
+    resident CTAs per SM) E x ceil(r / BM) x ceil(H / BN) is a multiple of G, with at least
+    `min_waves` waves. r is a multiple of every BM and of top-k, so tiles grow linearly in r
+    and T = r x E / top-k tokens route evenly. The smallest such r.
+
+    The resource manager prices the GEMM2 in whole waves, ceil(tiles / G) x tau (docs/
+    resource_model.md), and calibrate.py fits tau from time / waves; on a workload whose last
+    wave is part-filled a tile whose idle tail costs little (the default TMA-store tile,
+    docs/perf_notes.md v6.2) gets a tau below its per-wave cost, one that is whole-wave
+    quantized (`WIDE_TILE`) not, so the tiles' taus would not compare.
+
+    Raises:
+        ValueError: a size < 1, or no r <= max_rows.
+    """
+    for name, value in (("num_experts", num_experts), ("topk", topk), ("hidden", hidden),
+                        ("min_waves", min_waves), ("max_rows", max_rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    if not tiles:
+        raise ValueError("tiles: expected at least one (BM, BN, G)")
+    for tile in tiles:
+        if len(tile) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                 for v in tile):
+            raise ValueError(f"tile {tile!r}: expected (BM, BN, G), three ints >= 1")
+    unit = math.lcm(topk, *(bm for bm, _, _ in tiles))
+
+    def tiles_of(r):
+        return [(num_experts * (r // bm) * -(-hidden // bn), g) for bm, bn, g in tiles]
+
+    r = unit
+    while r <= max_rows:
+        counts = tiles_of(r)
+        if all(n % g == 0 for n, g in counts):
+            fewest = min(n // g for n, g in counts)
+            r *= -(-min_waves // fewest)  # multiples keep every count a multiple of its G
+            if r <= max_rows:
+                return r
+            break
+        r += unit
+    raise ValueError(f"no rows per expert <= {max_rows} fill whole waves of every tile "
+                     f"{list(tiles)} at E={num_experts}, H={hidden}, top-k={topk} with >= "
+                     f"{min_waves} waves; use --sweep uniform")
 
 
 @dataclass(frozen=True)

@@ -467,3 +467,50 @@ def test_group_time_refuses_bad_inputs(kwargs, error, match, fixed_mode):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         group_time_us(**args)
+
+
+def test_whole_wave_rows_fill_every_tiles_waves():
+    """The calibration's default sweep (v6.2): rows per expert on which each tile's count
+    is a multiple of its grid, the smallest such, with >= min_waves waves."""
+    from megatron_overlap.bench.workloads import whole_wave_rows
+
+    shapes = [(128, 256, NUM_SMS), (256, 128, NUM_SMS)]
+    r = whole_wave_rows(shapes, num_experts=8, topk=2, hidden=H)
+    assert r == 8448  # lcm(256, 132) x 8 experts / 8 = 64 waves of either tile
+    for bm, bn, g in shapes + [(128, 128, 2 * NUM_SMS)]:
+        r = whole_wave_rows(shapes + [(128, 128, 2 * NUM_SMS)], num_experts=8, topk=2,
+                            hidden=H)
+        assert 8 * (r // bm) * -(-H // bn) % g == 0
+    smaller = [r for r in range(256, 8448, 256)
+               if all(8 * (r // bm) * (H // bn) % g == 0 for bm, bn, g in shapes)]
+    assert smaller == []
+    assert whole_wave_rows([(128, 256, 8)], num_experts=8, topk=2, hidden=H,
+                           min_waves=40) // 128 * 8 * 16 // 8 >= 40
+    with pytest.raises(ValueError, match="no rows per expert"):
+        whole_wave_rows(shapes, num_experts=8, topk=2, hidden=H, max_rows=4096)
+    with pytest.raises(ValueError, match="topk=0"):
+        whole_wave_rows(shapes, num_experts=8, topk=0, hidden=H)
+
+
+@pytest.mark.parametrize("sweep", ["whole-waves", "uniform"])
+def test_calibration_sweep_rows(sweep):
+    """calibrate.py's tile-time sweep metadata: whole-waves gives every swept tile a
+    whole-wave tile count at its planned grid; uniform is the --tokens draw (before v6.2)."""
+    from megatron_overlap.config import GatherRSOptions as Opts
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+
+    args = calibrate.argparse.Namespace(sweep=sweep, tokens=8192, seed=0, hidden=H,
+                                        ffn=[6400, 14336])
+    tiles = [op.DEFAULT_TILE, op.DEFAULT_TMA_TILE, op.WIDE_TILE]
+    prof = load_profile("h100")
+    meta = calibrate.sweep_meta(args, tiles, prof, NUM_SMS)
+    counts = meta.tokens_per_local_expert.tolist()
+    if sweep == "uniform":
+        assert sum(counts) == 8192 * 2 and len(set(counts)) > 1
+        return
+    assert counts == [8448] * 8
+    for tile in tiles:
+        plan = plan_gemm2_gatherrs(meta, Opts(backend="triton"), num_sms=NUM_SMS, hidden=H,
+                                   ffn=6400, tma_store=tile.tma_store, profile=prof,
+                                   tile=(tile.bm, tile.bn, tile.bk))
+        assert plan.breakdown.local_tiles % plan.num_ctas == 0
