@@ -7,10 +7,10 @@
 What it measures (CUDA events, median of --iters runs after --warmup; rank 0's values are
 written, every rank measures alike at the same time, as in the fused op):
   tile time  the fused kernel's GEMM2 tiles alone (`_Call.gemm_only` on the plan's grid G,
-             world-1 metadata, H = --hidden, 8 experts, top-2; --sweep whole-waves, the
-             default since v6.2: a balanced routing map whose rows fill whole waves of
-             every tile below, so time / waves is each tile's per-wave time; --sweep
-             uniform: --tokens tokens of uniform routing) for every F in --ffn, every tile
+             world-1 metadata, H = --hidden, top-2; --sweep whole-waves, the default
+             since v6.2: a balanced routing map whose experts and rows fill 16 whole
+             waves of every tile below, so time / waves is each tile's per-wave time;
+             --sweep uniform: 8 experts, --tokens tokens of uniform routing) for every F in --ffn, every tile
              below on the same operands and timed interleaved (since v6.2): tau(F) =
              time / ceil(tiles / G); then a least-
              squares fit tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0); the register-
@@ -235,22 +235,24 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
 # ---- GPU measurements ------------------------------------------------------------------
 
 SWEEP_EXPERTS, SWEEP_TOPK = 8, 2
-"""Experts and top-k of the tile-time sweep's routing (both sweeps)."""
+"""Experts of the uniform sweep; top-k of both sweeps (the whole-wave sweep picks its
+experts: `bench.workloads.whole_wave_sweep`)."""
 
 
 def sweep_meta(args, tiles, base: HardwareProfile, num_sms: int):
     """The tile-time sweep's world-1 metadata (CPU). `--sweep whole-waves` (the default
-    since v6.2): a balanced routing map whose rows per expert
-    (`bench.workloads.whole_wave_rows`) fill whole waves of every tile in `tiles` at its
-    grid (its resident CTAs per SM from `base`, with the GPU's `num_sms`), so time / waves
-    is each tile's per-wave time and the tiles' taus compare (docs/perf_notes.md v6.2);
+    since v6.2): a balanced routing map whose experts and rows per expert
+    (`bench.workloads.whole_wave_sweep`: 16 waves, as a mid-size call; 6 experts x 2816
+    rows at H = 4096 on 132 SMs) fill whole waves of every tile in `tiles` at its grid (its
+    resident CTAs per SM from `base`, with the GPU's `num_sms`), so time / waves is each
+    tile's per-wave time and the tiles' taus compare (docs/perf_notes.md v6.2);
     `--tokens` is not used. `--sweep uniform` (before v6.2): `--tokens` tokens of uniform
     routing, whose last waves are part-filled by different amounts per tile."""
     from megatron_overlap.bench.workloads import (
         balanced_routing_map,
         rank_rows,
         routing_maps,
-        whole_wave_rows,
+        whole_wave_sweep,
     )
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.ops.triton_gemm2_gatherrs import epilogue_stores_tma
@@ -269,10 +271,9 @@ def sweep_meta(args, tiles, base: HardwareProfile, num_sms: int):
                                    tma_store=epilogue_stores_tma(tile, args.hidden, 2),
                                    profile=base, tile=(tile.bm, tile.bn, tile.bk))
         shapes.append((tile.bm, tile.bn, plan.num_ctas))
-    rows = whole_wave_rows(shapes, num_experts=SWEEP_EXPERTS, topk=SWEEP_TOPK,
-                           hidden=args.hidden)
-    tokens = rows * SWEEP_EXPERTS // SWEEP_TOPK
-    return rank_rows([balanced_routing_map(tokens, SWEEP_EXPERTS, SWEEP_TOPK)], tp=1, ep=1,
+    experts, rows = whole_wave_sweep(shapes, topk=SWEEP_TOPK, hidden=args.hidden)
+    tokens = rows * experts // SWEEP_TOPK
+    return rank_rows([balanced_routing_map(tokens, experts, SWEEP_TOPK)], tp=1, ep=1,
                      rank=0, topk=SWEEP_TOPK).meta
 
 
@@ -312,7 +313,8 @@ def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
     gen = torch.Generator(device=device).manual_seed(args.seed)
     for f in args.ffn:
         h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
-        w2 = (torch.randn(8, args.hidden, f, generator=gen, device=device) / f**0.5).to(
+        w2 = (torch.randn(meta.num_local_experts, args.hidden, f, generator=gen,
+                          device=device) / f**0.5).to(
             torch.bfloat16)
         calls = []
         for tile in tiles:

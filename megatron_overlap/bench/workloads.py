@@ -115,6 +115,38 @@ def whole_wave_rows(tiles: Sequence[Tuple[int, int, int]], *, num_experts: int, 
                      f"{min_waves} waves; use --sweep uniform")
 
 
+def whole_wave_sweep(tiles: Sequence[Tuple[int, int, int]], *, topk: int, hidden: int,
+                     target_waves: int = 16, max_experts: int = 64,
+                     max_rows: int = 1 << 16) -> Tuple[int, int]:
+    """(experts E, rows per expert r) of a balanced sweep on which every tile in `tiles`
+    fills whole waves (`whole_wave_rows`) with the fewest waves >= `target_waves` (ties: E
+    nearest 8). With E fixed at 8 on 132 SMs the smallest such r is 8448 (64 waves of the
+    default tile at H = 4096): a GEMM of ~13 ms at F = 14336, long enough that the GPU's
+    clocks drop under it (v6.2 run e: tau 10-17 % above a 17-wave sweep's); choosing E as
+    well gets 16 waves (E = 6, r = 2816 there) like a mid-size call.
+
+    Raises:
+        ValueError: as `whole_wave_rows`, or no E <= max_experts works.
+    """
+    best = None
+    for experts in range(1, max_experts + 1):
+        try:
+            r = whole_wave_rows(tiles, num_experts=experts, topk=topk, hidden=hidden,
+                                min_waves=target_waves, max_rows=max_rows)
+        except ValueError as err:
+            if "no rows per expert" in str(err):
+                continue
+            raise
+        waves = min(experts * (r // bm) * -(-hidden // bn) // g for bm, bn, g in tiles)
+        key = (waves, abs(experts - 8))
+        if best is None or key < best[0]:
+            best = (key, experts, r)
+    if best is None:
+        raise ValueError(f"no experts <= {max_experts} give whole waves of every tile "
+                         f"{list(tiles)} at H={hidden}, top-k={topk}; use --sweep uniform")
+    return best[1], best[2]
+
+
 @dataclass(frozen=True)
 class RankRows:
     """This rank's received rows, in the op's `h` order.

@@ -508,9 +508,27 @@ def test_calibration_sweep_rows(sweep):
     if sweep == "uniform":
         assert sum(counts) == 8192 * 2 and len(set(counts)) > 1
         return
-    assert counts == [8448] * 8
+    assert counts == [2816] * 6  # 16 waves of either tile on 132 SMs
     for tile in tiles:
         plan = plan_gemm2_gatherrs(meta, Opts(backend="triton"), num_sms=NUM_SMS, hidden=H,
                                    ffn=6400, tma_store=tile.tma_store, profile=prof,
                                    tile=(tile.bm, tile.bn, tile.bk))
-        assert plan.breakdown.local_tiles % plan.num_ctas == 0
+        assert plan.breakdown.local_tiles == 16 * plan.num_ctas
+
+
+def test_whole_wave_sweep_picks_the_fewest_waves_at_the_target():
+    """The sweep's experts and rows: whole waves of every tile, the fewest >= the target
+    (a long sweep runs at lower clocks: run e), ties to 8 experts."""
+    from megatron_overlap.bench.workloads import whole_wave_sweep
+
+    for shapes, hidden in (([(128, 256, NUM_SMS), (256, 128, NUM_SMS)], H),
+                           ([(128, 256, 114), (256, 128, 114)], H),
+                           ([(128, 256, NUM_SMS), (256, 128, NUM_SMS)], 2048)):
+        experts, r = whole_wave_sweep(shapes, topk=2, hidden=hidden)
+        waves = [experts * (r // bm) * -(-hidden // bn) / g for bm, bn, g in shapes]
+        assert all(w == int(w) and w >= 16 for w in waves), (experts, r, waves)
+        assert min(waves) <= 16 or experts == 1
+    assert whole_wave_sweep([(128, 256, NUM_SMS), (256, 128, NUM_SMS)], topk=2,
+                            hidden=H) == (6, 2816)
+    with pytest.raises(ValueError, match="no experts"):
+        whole_wave_sweep([(128, 256, 7919)], topk=2, hidden=H, max_experts=2, max_rows=1024)
