@@ -10,11 +10,11 @@ written, every rank measures alike at the same time, as in the fused op):
              world-1 metadata, H = --hidden, top-2; --sweep whole-waves, the default
              since v6.2: a balanced routing map whose experts and rows fill 16 whole
              waves of every tile below, so time / waves is each tile's per-wave time;
-             --sweep uniform: 8 experts, --tokens tokens of uniform routing) for every F in --ffn, every tile
-             below on the same operands and timed interleaved (since v6.2): tau(F) =
-             time / ceil(tiles / G); then a least-
-             squares fit tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0); the register-
-             store epilogue (`DEFAULT_TILE`, whatever $MEGATRON_OVERLAP_TMA_STORE says),
+             --sweep uniform: 8 experts, --tokens tokens of uniform routing) for every
+             F in --ffn, every tile below on the same operands and timed interleaved
+             (since v6.2): tau(F) = time / ceil(tiles / G); then a least-squares fit
+             tau = alpha + beta * ceil(F / BK) (alpha, beta >= 0); the register-store
+             epilogue (`DEFAULT_TILE`, whatever $MEGATRON_OVERLAP_TMA_STORE says),
              and with --tma-store also the TMA-store one (`DEFAULT_TMA_TILE`): a second
              tile_times entry with `tma_store: true` (without the flag, the base
              profile's TMA-store entry is copied, and the header says so); then each
