@@ -39,20 +39,13 @@ from megatron_overlap.bench.cli import (  # noqa: E402
     make_folder,
     positive_int,
 )
+from megatron_overlap.bench.workloads import balanced_routing_map as balanced_map  # noqa: E402
 
 BM_UNIT = 128
 """Rows per row block of --row-blocks (the default tile's BM)."""
 
 DEFAULT_TILES = ("128x256x64w8s3tma", "256x128x64w8s4")
 """The default tile at world 1 and `WIDE_TILE`: the two tiles `plan_call` chooses from."""
-
-
-def balanced_map(num_tokens: int, num_experts: int, topk: int):
-    """`megatron_overlap.bench.workloads.balanced_routing_map` (imported here so that no
-    torch import happens before the arguments are checked)."""
-    from megatron_overlap.bench.workloads import balanced_routing_map
-
-    return balanced_routing_map(num_tokens, num_experts, topk)
 
 
 def tokens_for(row_blocks: int, num_experts: int, topk: int) -> int:

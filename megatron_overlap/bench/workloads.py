@@ -85,6 +85,16 @@ def whole_wave_rows(tiles: Sequence[Tuple[int, int, int]], *, num_experts: int, 
     Raises:
         ValueError: a size < 1, or no r <= max_rows.
     """
+    r = _whole_wave_rows(tiles, num_experts, topk, hidden, min_waves, max_rows)
+    if r is None:
+        raise ValueError(f"no rows per expert <= {max_rows} fill whole waves of every tile "
+                         f"{list(tiles)} at E={num_experts}, H={hidden}, top-k={topk} with "
+                         f">= {min_waves} waves; use --sweep uniform")
+    return r
+
+
+def _whole_wave_rows(tiles, num_experts, topk, hidden, min_waves, max_rows):
+    """`whole_wave_rows`, None where no r <= max_rows works (inputs checked here)."""
     for name, value in (("num_experts", num_experts), ("topk", topk), ("hidden", hidden),
                         ("min_waves", min_waves), ("max_rows", max_rows)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -96,23 +106,13 @@ def whole_wave_rows(tiles: Sequence[Tuple[int, int, int]], *, num_experts: int, 
                                  for v in tile):
             raise ValueError(f"tile {tile!r}: expected (BM, BN, G), three ints >= 1")
     unit = math.lcm(topk, *(bm for bm, _, _ in tiles))
-
-    def tiles_of(r):
-        return [(num_experts * (r // bm) * -(-hidden // bn), g) for bm, bn, g in tiles]
-
-    r = unit
-    while r <= max_rows:
-        counts = tiles_of(r)
+    for r in range(unit, max_rows + 1, unit):
+        counts = [(num_experts * (r // bm) * -(-hidden // bn), g) for bm, bn, g in tiles]
         if all(n % g == 0 for n, g in counts):
-            fewest = min(n // g for n, g in counts)
-            r *= -(-min_waves // fewest)  # multiples keep every count a multiple of its G
-            if r <= max_rows:
-                return r
-            break
-        r += unit
-    raise ValueError(f"no rows per expert <= {max_rows} fill whole waves of every tile "
-                     f"{list(tiles)} at E={num_experts}, H={hidden}, top-k={topk} with >= "
-                     f"{min_waves} waves; use --sweep uniform")
+            # multiples of r keep every count a multiple of its G
+            r *= -(-min_waves // min(n // g for n, g in counts))
+            return r if r <= max_rows else None
+    return None
 
 
 def whole_wave_sweep(tiles: Sequence[Tuple[int, int, int]], *, topk: int, hidden: int,
@@ -130,13 +130,9 @@ def whole_wave_sweep(tiles: Sequence[Tuple[int, int, int]], *, topk: int, hidden
     """
     best = None
     for experts in range(1, max_experts + 1):
-        try:
-            r = whole_wave_rows(tiles, num_experts=experts, topk=topk, hidden=hidden,
-                                min_waves=target_waves, max_rows=max_rows)
-        except ValueError as err:
-            if "no rows per expert" in str(err):
-                continue
-            raise
+        r = _whole_wave_rows(tiles, experts, topk, hidden, target_waves, max_rows)
+        if r is None:
+            continue
         waves = min(experts * (r // bm) * -(-hidden // bn) // g for bm, bn, g in tiles)
         key = (waves, abs(experts - 8))
         if best is None or key < best[0]:

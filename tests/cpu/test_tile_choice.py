@@ -477,9 +477,8 @@ def test_whole_wave_rows_fill_every_tiles_waves():
     shapes = [(128, 256, NUM_SMS), (256, 128, NUM_SMS)]
     r = whole_wave_rows(shapes, num_experts=8, topk=2, hidden=H)
     assert r == 8448  # lcm(256, 132) x 8 experts / 8 = 64 waves of either tile
+    r = whole_wave_rows(shapes + [(128, 128, 2 * NUM_SMS)], num_experts=8, topk=2, hidden=H)
     for bm, bn, g in shapes + [(128, 128, 2 * NUM_SMS)]:
-        r = whole_wave_rows(shapes + [(128, 128, 2 * NUM_SMS)], num_experts=8, topk=2,
-                            hidden=H)
         assert 8 * (r // bm) * -(-H // bn) % g == 0
     smaller = [r for r in range(256, 8448, 256)
                if all(8 * (r // bm) * (H // bn) % g == 0 for bm, bn, g in shapes)]
