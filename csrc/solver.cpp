@@ -28,6 +28,10 @@ namespace {
 constexpr int64_t kMaxTiles = int64_t(1) << 30;
 constexpr int64_t kMaxTimePs = int64_t(1) << 32;
 constexpr int64_t kMaxCtas = int64_t(1) << 16;
+// idle_ppm, the cost of a part-filled last wave's idle part in millionths of a wave: this
+// value is the whole-wave model (every wave costs tau), 0 a fluid one.
+constexpr int64_t kIdleWhole = 1000000;
+using u128 = unsigned __int128;
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
@@ -59,15 +63,16 @@ int64_t round_ps(const char* name, double x) {
 }
 
 struct Problem {
-  int64_t g, tr, tl, tau, c_link, c_cta;
+  int64_t g, tr, tl, tau, c_link, c_cta, idle;
 };
 
 Problem check_problem(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
-                      int64_t c_cta) {
+                      int64_t c_cta, int64_t idle = kIdleWhole) {
   return {check_range("num_ctas", g, 1, kMaxCtas), check_range("remote_tiles", tr, 0, kMaxTiles),
           check_range("local_tiles", tl, 0, kMaxTiles), check_range("tau_ps", tau, 1, kMaxTimePs),
           check_range("c_link_ps", c_link, 0, kMaxTimePs),
-          check_range("c_cta_ps", c_cta, 0, kMaxTimePs)};
+          check_range("c_cta_ps", c_cta, 0, kMaxTimePs),
+          check_range("idle_ppm", idle, 0, kIdleWhole)};
 }
 
 // ---- the model (see model.py for the definitions) ---------------------------------------
@@ -80,18 +85,36 @@ inline int64_t remote_bound(const Problem& p, int64_t k) {  // R(k), non-increas
   return std::max(cdiv(p.tr, k) * std::max(p.tau, p.c_cta), p.tr * p.c_link);
 }
 
+// The time of `work` ps x CTAs on G CTAs in waves of tau: whole waves, and a part-filled
+// last wave (its busy fraction phi = rem / (G tau)) at tau x (phi + idle x (1 - phi)),
+// rounded up. Non-decreasing in work (the last wave's cost rises with rem and never passes
+// tau); idle = kIdleWhole gives ceil(work / (G tau)) x tau, the whole-wave model.
+inline int64_t waves_time(u128 work, const Problem& p) {
+  const u128 gt = u128(p.g) * u128(p.tau);
+  const u128 full = work / gt, rem = work - full * gt;
+  const int64_t t = int64_t(full) * p.tau;
+  if (rem == 0) return t;
+  if (p.idle == kIdleWhole) return t + p.tau;
+  const u128 num = rem * u128(kIdleWhole - p.idle) + u128(p.idle) * gt;
+  const u128 den = u128(p.g) * u128(kIdleWhole);
+  return t + int64_t((num + den - 1) / den);
+}
+
 inline int64_t wave_bound(const Problem& p, int64_t k) {  // W(k), non-decreasing
   const int64_t trk = remote_tile(p, k);
   const int64_t gt = p.g * p.tau;
   int64_t a, b, s;
-  if (!__builtin_mul_overflow(p.tl, p.tau, &a) && !__builtin_mul_overflow(p.tr, trk, &b) &&
-      !__builtin_add_overflow(a, b, &s)) {
+  if (p.idle == kIdleWhole && !__builtin_mul_overflow(p.tl, p.tau, &a) &&
+      !__builtin_mul_overflow(p.tr, trk, &b) && !__builtin_add_overflow(a, b, &s)) {
     return cdiv(s, gt) * p.tau;
   }
   // T_r * tau_r(k) can pass 2^63 when k * c_link is huge; the quotient still fits.
-  using u128 = unsigned __int128;
-  const u128 work = u128(p.tl) * u128(p.tau) + u128(p.tr) * u128(trk);
-  return int64_t((work + u128(gt) - 1) / u128(gt)) * p.tau;
+  return waves_time(u128(p.tl) * u128(p.tau) + u128(p.tr) * u128(trk), p);
+}
+
+inline int64_t local_end(const Problem& p) {  // E without remote tiles: T_l tiles in waves
+  return p.idle == kIdleWhole ? cdiv(p.tl, p.g) * p.tau
+                              : waves_time(u128(p.tl) * u128(p.tau), p);
 }
 
 inline int64_t gemm_end_unchecked(const Problem& p, int64_t k) {
@@ -109,7 +132,7 @@ inline int64_t smallest_k_with_remote_at_most(const Problem& p, int64_t x, int64
 }
 
 std::pair<int64_t, int64_t> solve_unchecked(const Problem& p) {
-  if (p.tr == 0) return {0, cdiv(p.tl, p.g) * p.tau};
+  if (p.tr == 0) return {0, local_end(p)};
   if (p.g < 2) {
     fail("num_ctas=" + std::to_string(p.g) + ": " + std::to_string(p.tr) +
          " remote tiles need a grid of at least 2 CTAs (k communication CTAs, "
@@ -286,7 +309,7 @@ Problem make_problem_impl(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64
     c_link = round_ps("c_link_ps", bytes * 1000.0 / (double(tr) * b_link));
     c_cta = round_ps("c_cta_ps", bytes * 1000.0 / (double(tr) * b_cta));
   }
-  return {g, tr, tl, tau, c_link, c_cta};
+  return {g, tr, tl, tau, c_link, c_cta, kIdleWhole};
 }
 
 py::tuple make_problem(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64_t hidden,
@@ -298,34 +321,37 @@ py::tuple make_problem(int64_t g, int64_t tr, int64_t tl, int64_t rows, int64_t 
 }
 
 int64_t gemm_end(int64_t k, int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
-                 int64_t c_cta) {
-  const Problem p = check_problem(g, tr, tl, tau, c_link, c_cta);
+                 int64_t c_cta, int64_t idle) {
+  const Problem p = check_problem(g, tr, tl, tau, c_link, c_cta, idle);
   if (p.tr == 0) {
     check_range("k", k, 0, p.g);
-    return cdiv(p.tl, p.g) * p.tau;
+    return local_end(p);
   }
   check_range("k", k, 1, p.g);
   return gemm_end_unchecked(p, k);
 }
 
 py::tuple solve(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_link,
-                int64_t c_cta) {
-  const auto r = solve_unchecked(check_problem(g, tr, tl, tau, c_link, c_cta));
+                int64_t c_cta, int64_t idle) {
+  const auto r = solve_unchecked(check_problem(g, tr, tl, tau, c_link, c_cta, idle));
   return py::make_tuple(r.first, r.second);
 }
 
 py::array_t<int64_t> solve_batch(py::array_t<int64_t, py::array::c_style | py::array::forcecast>
                                      problems) {
-  if (problems.ndim() != 2 || problems.shape(1) != 6) {
-    fail("problems must be [n, 6] (G, T_r, T_l, tau, c_link, c_cta)");
+  if (problems.ndim() != 2 || (problems.shape(1) != 6 && problems.shape(1) != 7)) {
+    fail("problems must be [n, 6] (G, T_r, T_l, tau, c_link, c_cta) or [n, 7] (and "
+         "idle_ppm)");
   }
   const int64_t n = problems.shape(0);
+  const bool with_idle = problems.shape(1) == 7;
   py::array_t<int64_t> out({n, int64_t(2)});
   auto in = problems.unchecked<2>();
   auto o = out.mutable_unchecked<2>();
   for (int64_t i = 0; i < n; ++i) {
     const auto r = solve_unchecked(
-        check_problem(in(i, 0), in(i, 1), in(i, 2), in(i, 3), in(i, 4), in(i, 5)));
+        check_problem(in(i, 0), in(i, 1), in(i, 2), in(i, 3), in(i, 4), in(i, 5),
+                      with_idle ? in(i, 6) : kIdleWhole));
     o(i, 0) = r.first;
     o(i, 1) = r.second;
   }
@@ -356,7 +382,7 @@ double bench_solve(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_lin
 // the same order, as model.mode_times (bit-identical results).
 py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, int64_t hidden,
                      int64_t elem, int64_t g, int64_t tau, int64_t bm, int64_t bn,
-                     double b_link, double b_hbm) {
+                     double b_link, double b_hbm, int64_t idle) {
   check_range("tp_size", tp, 1, int64_t(1) << 16);
   check_range("ep_size", ep, 1, int64_t(1) << 16);
   const int64_t r = tp * ep;
@@ -375,6 +401,7 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
   check_range("bn", bn, 1, int64_t(1) << 20);
   check_float("link_bandwidth_gbps", b_link, 1e-9);
   check_float("hbm_bandwidth_gbps", b_hbm, 1e-9);
+  check_range("idle_ppm", idle, 0, kIdleWhole);
   auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(counts_in);
   auto c = counts.unchecked<2>();
   const int64_t num_experts = counts.shape(1), num_local = num_experts / ep;
@@ -397,6 +424,7 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
   const double row_link = double(hidden) * double(elem) / (b_link * 1e3);
   const double row_hbm = double(hidden) * double(elem) / (b_hbm * 1e3);
   const double tau_us = double(tau) / double(1000000);
+  const double idle_frac = double(idle) / double(kIdleWhole);
   std::vector<int64_t> tokens(r), pairs(r), rows_to(r * ep), tiles_to(r * ep);
   for (int64_t d = 0; d < r; ++d) {
     int64_t sum = 0;
@@ -422,7 +450,12 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
       rows_q += rows_to[d * ep + j];
       tiles_q += tiles_to[d * ep + j];
     }
-    const double waves_us = double(cdiv(tiles_q, g)) * tau_us;
+    // whole waves and the last one's busy fraction + idle x its idle fraction (at idle 1:
+    // exactly ceil(tiles_q / G), as before v6.3)
+    const int64_t full = tiles_q / g, rem = tiles_q - full * g;
+    double waves = double(full);
+    if (rem) waves += (double(rem) + idle_frac * double(g - rem)) / double(g);
+    const double waves_us = waves * tau_us;
     const double direct = std::max(waves_us, double(rows_q - rows_to[q * ep + j]) * row_link) +
                           double(pairs[q] * tp + tokens[q]) * row_hbm;
     double pre_rows = 0.0;
@@ -450,14 +483,15 @@ py::tuple plan_call(py::array counts_in, int64_t local_chunk, int64_t bm, int64_
                     double alpha, double beta, int64_t o_p, int64_t o_ref, double b_link,
                     double b_cta, int64_t override_k, py::object routed, int64_t tp,
                     int64_t ep, int64_t topk, int64_t mode_g, int64_t mode_tau,
-                    double b_hbm) {
+                    double b_hbm, int64_t idle) {
   const TileCounts t = count_tiles_impl(counts_in, local_chunk, bm, bn, hidden);
-  const Problem p = make_problem_impl(g, t.remote, t.local, t.remote_rows, hidden, elem, ffn,
-                                      bk, alpha, beta, o_p, o_ref, b_link, b_cta);
+  Problem p = make_problem_impl(g, t.remote, t.local, t.remote_rows, hidden, elem, ffn, bk,
+                                alpha, beta, o_p, o_ref, b_link, b_cta);
+  p.idle = check_range("idle_ppm", idle, 0, kIdleWhole);
   int64_t k, end;
   if (override_k != 0) {
     k = override_k;
-    end = gemm_end(k, p.g, p.tr, p.tl, p.tau, p.c_link, p.c_cta);
+    end = gemm_end(k, p.g, p.tr, p.tl, p.tau, p.c_link, p.c_cta, p.idle);
   } else {
     const auto r = solve_unchecked(p);
     k = r.first;
@@ -472,7 +506,7 @@ py::tuple plan_call(py::array counts_in, int64_t local_chunk, int64_t bm, int64_
   py::object mode = py::none();
   if (!routed.is_none()) {
     mode = mode_times(py::array(routed), tp, ep, topk, hidden, elem, mode_g, mode_tau, bm, bn,
-                      b_link, b_hbm);
+                      b_link, b_hbm, idle);
   }
   return py::make_tuple(k, end, p.tr, p.tl, p.tau, terms[0], terms[1], terms[2], mode);
 }
@@ -493,21 +527,23 @@ PYBIND11_MODULE(_solver, m) {
         py::arg("beta_us"), py::arg("ctas_per_sm"), py::arg("calibrated_ctas_per_sm"),
         py::arg("link_bandwidth_gbps"), py::arg("cta_bandwidth_gbps"));
   m.def("gemm_end_ps", &gemm_end, py::arg("k"), py::arg("g"), py::arg("tr"), py::arg("tl"),
-        py::arg("tau"), py::arg("c_link"), py::arg("c_cta"));
+        py::arg("tau"), py::arg("c_link"), py::arg("c_cta"), py::arg("idle_ppm") = kIdleWhole);
   m.def("solve", &solve, py::arg("g"), py::arg("tr"), py::arg("tl"), py::arg("tau"),
-        py::arg("c_link"), py::arg("c_cta"));
+        py::arg("c_link"), py::arg("c_cta"), py::arg("idle_ppm") = kIdleWhole);
   m.def("solve_batch", &solve_batch, py::arg("problems"));
   m.def("mode_times", &mode_times, py::arg("routed_counts"), py::arg("tp_size"),
         py::arg("ep_size"), py::arg("topk"), py::arg("hidden"), py::arg("elem_bytes"),
         py::arg("num_ctas"), py::arg("tile_ps"), py::arg("bm"), py::arg("bn"),
-        py::arg("link_bandwidth_gbps"), py::arg("hbm_bandwidth_gbps"));
+        py::arg("link_bandwidth_gbps"), py::arg("hbm_bandwidth_gbps"),
+        py::arg("idle_ppm") = kIdleWhole);
   m.def("plan_call", &plan_call, py::arg("rows_per_expert_per_chunk"), py::arg("local_chunk"),
         py::arg("bm"), py::arg("bn"), py::arg("bk"), py::arg("hidden"), py::arg("elem_bytes"),
         py::arg("ffn"), py::arg("num_ctas"), py::arg("alpha_us"), py::arg("beta_us"),
         py::arg("ctas_per_sm"), py::arg("calibrated_ctas_per_sm"),
         py::arg("link_bandwidth_gbps"), py::arg("cta_bandwidth_gbps"), py::arg("override_k"),
         py::arg("routed_counts"), py::arg("tp_size"), py::arg("ep_size"), py::arg("topk"),
-        py::arg("mode_num_ctas"), py::arg("mode_tile_ps"), py::arg("hbm_bandwidth_gbps"));
+        py::arg("mode_num_ctas"), py::arg("mode_tile_ps"), py::arg("hbm_bandwidth_gbps"),
+        py::arg("idle_ppm") = kIdleWhole);
   m.def("bench_solve", &bench_solve, py::arg("g"), py::arg("tr"), py::arg("tl"),
         py::arg("tau"), py::arg("c_link"), py::arg("c_cta"), py::arg("iters"));
 }

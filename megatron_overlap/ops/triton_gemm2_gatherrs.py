@@ -214,8 +214,9 @@ def plan_call(meta: GatherRSMetadata, options, *, device: torch.device, hidden: 
     the fastest candidate predicted at least `TILE_CHOICE_MARGIN` faster than the default
     tile wins, else the default tile. Nothing is measured, compiled or launched: the tile
     counts come from the routing metadata (ceil(rows / BM) x ceil(H / BN) per expert), the
-    tile times from the profile (tau(F) = alpha + beta x ceil(F / BK)), the time from whole
-    waves of the grid (DESIGN.md §4).
+    tile times from the profile (tau(F) = alpha + beta x ceil(F / BK)), the time from the
+    grid's waves (DESIGN.md §4; a part-filled last wave at its busy fraction + the tile's
+    calibrated `idle_wave_cost` x its idle fraction).
 
     What is compared: at world 1 each tile's `Plan.predicted_us` (this rank's GEMM2 waves,
     finalize and launches); at world > 1 the group's slowest rank in the mode the plan runs

@@ -120,7 +120,8 @@ class PlanBreakdown:
     remote_bound_us: float
     """R(k): the k communication CTAs working off the remote queue alone."""
     wave_bound_us: float
-    """W(k): all G CTAs sharing every tile, in whole waves."""
+    """W(k): all G CTAs sharing every tile, in waves (a part-filled last one at its busy
+    fraction + the tile's `idle_wave_cost` x its idle fraction)."""
     gemm_us: float
     """E(k) = max(R(k), W(k)): end of the tiles and their peer stores."""
     store_latency_us: float
@@ -334,7 +335,7 @@ def plan_gemm2_gatherrs(
         tile_time.alpha_us, tile_time.beta_us, o_p, tile_time.ctas_per_sm,
         prof.link_bandwidth_gbps, prof.cta_bandwidth_gbps, 0 if override is None else override,
         meta.routed_counts if auto else None, meta.tp_size, meta.ep_size, meta.topk or 1,
-        num_sms * ref_ctas, tau_ref_ps, prof.hbm_bandwidth_gbps)
+        num_sms * ref_ctas, tau_ref_ps, prof.hbm_bandwidth_gbps, tile_time.idle_ppm)
     source = "override" if override is not None else "model" if remote_tiles else "no-remote"
     if recv_rows is None:
         recv_rows = int(meta.rows_per_expert_per_chunk.sum())
@@ -427,7 +428,8 @@ def group_time_us(meta: GatherRSMetadata, plan: Plan, *, num_sms: int, hidden: i
                          grid=num_sms * tile_time.ctas_per_sm,
                          tile_ps=_tau_ref_ps(tile_time, ffn, tile[2]), tile=tuple(tile),
                          link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps,
-                         solver=solver, prereduce_host_us=prof.prereduce_host_us)
+                         solver=solver, prereduce_host_us=prof.prereduce_host_us,
+                         idle_ppm=tile_time.idle_ppm)
     if plan.mode == "prereduce":
         return mc.prereduce_us + mc.prereduce_host_us
     return mc.direct_us

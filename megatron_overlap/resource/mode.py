@@ -68,7 +68,7 @@ class ModeChoice:
 def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden: int,
                 elem_bytes: int, grid: int, tile_ps: int, tile: Tuple[int, int, int],
                 link_gbps: float, hbm_gbps: float, solver: Optional[str] = None,
-                prereduce_host_us: float = 0.0) -> ModeChoice:
+                prereduce_host_us: float = 0.0, idle_ppm: int = 1_000_000) -> ModeChoice:
     """Predict both modes from the group's routed counts; choose the faster.
 
     Args:
@@ -88,6 +88,8 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
             added to its prediction: where the host paces the layer (prefill at a few
             thousand tokens per rank) that time is on the critical path, and the GPU time the
             mode saves is not.
+        idle_ppm: the tile's last-wave idle cost in millionths of a wave
+            (`TileTime.idle_ppm`; 1_000_000, the default, prices whole waves).
 
     Returns:
         A `ModeChoice`; "direct" on ties and with one rank.
@@ -106,7 +108,7 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
 
     times = implementation(solver).mode_times(
         routed_counts, tp_size, ep_size, topk, hidden, elem_bytes, grid, tile_ps, tile[0],
-        tile[1], link_gbps, hbm_gbps)
+        tile[1], link_gbps, hbm_gbps, idle_ppm)
     return mode_choice(times, tp_size * ep_size, prereduce_host_us)
 
 

@@ -21,12 +21,18 @@ Times are integer picoseconds (`_ps`), so that Python and C++ compute bit-identi
     R(k)      = max(ceil(T_r / k) * max(tau, c_cta), T_r * c_link): the communication CTAs
               alone work off the remote queue, in waves of k, no faster than the link
               (non-increasing in k)
-    W(k)      = ceil((T_l * tau + T_r * tau_r(k)) / (G * tau)) * tau: all G CTAs share the
-              tiles (whichever queue empties first, its CTAs steal from the other), in whole
-              waves of tau; remote tiles count tau_r(k) each (non-decreasing in k)
+    W(k)      = waves(T_l * tau + T_r * tau_r(k)): all G CTAs share the tiles (whichever
+              queue empties first, its CTAs steal from the other), in waves of tau; remote
+              tiles count tau_r(k) each (non-decreasing in k)
+    waves(w)  = floor(w / (G tau)) * tau + [rem > 0] * ceil((rem * (1 - eta) + eta * G tau)
+              / G) for rem = w mod (G tau): whole waves, and a part-filled last wave (busy
+              fraction phi) at tau * (phi + eta * (1 - phi)); eta (`idle` in millionths,
+              IDLE_WHOLE = 1) is the tile's calibrated cost of a last wave's idle part
+              (`TileTime.idle_wave_cost`): 1 gives ceil(w / (G tau)) * tau, the whole-wave
+              model, 0 a fluid one (docs/perf_notes.md v6.2 / v6.3)
     E(k)      = max(R(k), W(k)): predicted end of the GEMM2 tiles (and their peer stores)
 The plan's k is the smallest k in 1..G-1 with the least E(k); with no remote tile k = 0 and
-E = ceil(T_l / G) * tau. Add the last store's latency, the finalize (HBM bytes / B_hbm) and
+E = waves(T_l * tau) (= ceil(T_l / G) * tau at eta = 1). Add the last store's latency, the finalize (HBM bytes / B_hbm) and
 the launch overhead for the predicted time of the op.
 
 Errors: bad input raises `ValueError` (a value out of range, infeasible resources) or
@@ -50,6 +56,9 @@ MAX_TIME_PS = 1 << 32
 """Largest per-tile time accepted for tau, c_link and c_cta: 2^32 ps, about 4.3 ms."""
 MAX_CTAS = 1 << 16
 """Largest grid accepted."""
+IDLE_WHOLE = 1_000_000
+"""`idle_ppm` of the whole-wave model: a part-filled last wave costs a whole tau (the unit
+of `idle_ppm` is a millionth of a wave's time)."""
 
 
 def _int(name: str, value, minimum: int, maximum: int = 1 << 62) -> int:
@@ -219,64 +228,79 @@ def make_problem(num_ctas: int, remote_tiles: int, local_tiles: int, remote_rows
     return g, tr, tl, tau, c_link, c_cta
 
 
-def _check_problem(g, tr, tl, tau, c_link, c_cta) -> Tuple[int, ...]:
+def _check_problem(g, tr, tl, tau, c_link, c_cta, idle=IDLE_WHOLE) -> Tuple[int, ...]:
     return (_int("num_ctas", g, 1, MAX_CTAS), _int("remote_tiles", tr, 0, MAX_TILES),
             _int("local_tiles", tl, 0, MAX_TILES), _int("tau_ps", tau, 1, MAX_TIME_PS),
-            _int("c_link_ps", c_link, 0, MAX_TIME_PS), _int("c_cta_ps", c_cta, 0, MAX_TIME_PS))
+            _int("c_link_ps", c_link, 0, MAX_TIME_PS), _int("c_cta_ps", c_cta, 0, MAX_TIME_PS),
+            _int("idle_ppm", idle, 0, IDLE_WHOLE))
 
 
-def remote_tile_ps(k: int, g, tr, tl, tau, c_link, c_cta) -> int:
+def remote_tile_ps(k: int, g, tr, tl, tau, c_link, c_cta, idle=IDLE_WHOLE) -> int:
     """tau_r(k) = max(tau, k * c_link, c_cta)."""
     return max(tau, k * c_link, c_cta)
 
 
-def remote_bound_ps(k: int, g, tr, tl, tau, c_link, c_cta) -> int:
-    """R(k) = max(ceil(T_r / k) * max(tau, c_cta), T_r * c_link) (k >= 1)."""
+def remote_bound_ps(k: int, g, tr, tl, tau, c_link, c_cta, idle=IDLE_WHOLE) -> int:
+    """R(k) = max(ceil(T_r / k) * max(tau, c_cta), T_r * c_link) (k >= 1). The
+    communication CTAs' own rounds are not given the last-wave discount (`idle`: unused)."""
     return max(_cdiv(tr, k) * max(tau, c_cta), tr * c_link)
 
 
-def wave_bound_ps(k: int, g, tr, tl, tau, c_link, c_cta) -> int:
-    """W(k) = ceil((T_l * tau + T_r * tau_r(k)) / (G * tau)) * tau."""
+def waves_ps(work: int, g: int, tau: int, idle: int = IDLE_WHOLE) -> int:
+    """waves(work): `work` ps x CTAs on G CTAs in waves of tau, a part-filled last wave at
+    tau x (busy fraction + idle / IDLE_WHOLE x idle fraction), rounded up to a ps."""
+    full, rem = divmod(work, g * tau)
+    if rem == 0:
+        return full * tau
+    return full * tau + _cdiv(rem * (IDLE_WHOLE - idle) + idle * g * tau, g * IDLE_WHOLE)
+
+
+def wave_bound_ps(k: int, g, tr, tl, tau, c_link, c_cta, idle=IDLE_WHOLE) -> int:
+    """W(k) = waves(T_l * tau + T_r * tau_r(k))."""
     work = tl * tau + tr * remote_tile_ps(k, g, tr, tl, tau, c_link, c_cta)
-    return _cdiv(work, g * tau) * tau
+    return waves_ps(work, g, tau, idle)
 
 
-def gemm_end_ps(k: int, g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int) -> int:
+def gemm_end_ps(k: int, g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int,
+                idle_ppm: int = IDLE_WHOLE) -> int:
     """E(k): predicted end of the GEMM2 tiles with k communication CTAs, in ps.
 
-    k may be 0 only without remote tiles (then E = ceil(T_l / G) * tau); otherwise 1..G.
+    k may be 0 only without remote tiles (then E = waves(T_l * tau)); otherwise 1..G.
+    idle_ppm: the tile's last-wave idle cost in millionths of a wave (IDLE_WHOLE: whole
+    waves).
 
     Raises:
         ValueError: k out of range, or a bad problem.
     """
-    g, tr, tl, tau, c_link, c_cta = _check_problem(g, tr, tl, tau, c_link, c_cta)
-    if tr == 0:
-        _int("k", k, 0, g)
-        return _cdiv(tl, g) * tau
-    _int("k", k, 1, g)
-    return _end(k, (g, tr, tl, tau, c_link, c_cta))
+    p = _check_problem(g, tr, tl, tau, c_link, c_cta, idle_ppm)
+    if p[1] == 0:
+        _int("k", k, 0, p[0])
+        return waves_ps(p[2] * p[3], p[0], p[3], p[6])
+    _int("k", k, 1, p[0])
+    return _end(k, p)
 
 
 def _end(k: int, p: Tuple[int, ...]) -> int:
     return max(remote_bound_ps(k, *p), wave_bound_ps(k, *p))
 
 
-def solve(g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int) -> Tuple[int, int]:
+def solve(g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int,
+          idle_ppm: int = IDLE_WHOLE) -> Tuple[int, int]:
     """The plan's k and its E(k) in ps: every k in 1..G-1 tried, least E, ties to the
-    smallest k; k = 0 without remote tiles.
+    smallest k; k = 0 without remote tiles. idle_ppm: as `gemm_end_ps`.
 
     Raises:
         ValueError: remote tiles with fewer than 2 CTAs in the grid (no k leaves a CTA for
             the local queue), or a bad problem.
     """
-    g, tr, tl, tau, c_link, c_cta = _check_problem(g, tr, tl, tau, c_link, c_cta)
+    p = _check_problem(g, tr, tl, tau, c_link, c_cta, idle_ppm)
+    g, tr, tl, tau = p[:4]
     if tr == 0:
-        return 0, _cdiv(tl, g) * tau
+        return 0, waves_ps(tl * tau, g, tau, p[6])
     if g < 2:
         raise ValueError(f"num_ctas={g}: {tr} remote tiles need a grid of at least 2 CTAs "
                          "(k communication CTAs, 1 <= k <= G - 1)")
     best_k, best = 1, None
-    p = (g, tr, tl, tau, c_link, c_cta)
     for k in range(1, g):
         e = _end(k, p)
         if best is None or e < best:
@@ -285,11 +309,12 @@ def solve(g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int) -> Tuple[
 
 
 def solve_batch(problems) -> np.ndarray:
-    """`solve` on every row of an int64 [n, 6] array of problems; returns int64 [n, 2]."""
+    """`solve` on every row of an int64 [n, 6] array of problems (or [n, 7]: with
+    idle_ppm); returns int64 [n, 2]."""
     arr = np.asarray(problems)
-    if arr.ndim != 2 or arr.shape[1] != 6:
-        raise ValueError(f"problems must be [n, 6] (G, T_r, T_l, tau, c_link, c_cta), got "
-                         f"shape {arr.shape}")
+    if arr.ndim != 2 or arr.shape[1] not in (6, 7):
+        raise ValueError(f"problems must be [n, 6] (G, T_r, T_l, tau, c_link, c_cta) or [n, 7] "
+                         f"(and idle_ppm), got shape {arr.shape}")
     out = np.empty((arr.shape[0], 2), dtype=np.int64)
     for i, row in enumerate(arr.tolist()):
         out[i] = solve(*row)
@@ -301,12 +326,14 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
               beta_us: float, ctas_per_sm: int, calibrated_ctas_per_sm: int,
               link_bandwidth_gbps: float, cta_bandwidth_gbps: float, override_k: int,
               routed_counts, tp_size: int, ep_size: int, topk: int, mode_num_ctas: int,
-              mode_tile_ps: int, hbm_bandwidth_gbps: float) -> tuple:
+              mode_tile_ps: int, hbm_bandwidth_gbps: float,
+              idle_ppm: int = IDLE_WHOLE) -> tuple:
     """One plan's model in one call (what `plan_gemm2_gatherrs` asks; the C++ solver has
     the same function, one crossing of the binding instead of four): `count_tiles`,
     `make_problem`, `solve` (or `gemm_end_ps` at `override_k` when it is not 0), the
     breakdown's terms at the chosen k and, where `routed_counts` is not None, `mode_times`
-    with (`mode_num_ctas`, `mode_tile_ps`).
+    with (`mode_num_ctas`, `mode_tile_ps`); `idle_ppm` (the tile's last-wave idle cost) in
+    both.
 
     Returns:
         (k, E(k) ps, T_r, T_l, tau ps, tau_r(k) ps, R(k) ps, W(k) ps, mode_times' tuple or
@@ -319,6 +346,7 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
     p = make_problem(num_ctas, tr, tl, rows, hidden, elem_bytes, ffn, bk, alpha_us, beta_us,
                      ctas_per_sm, calibrated_ctas_per_sm, link_bandwidth_gbps,
                      cta_bandwidth_gbps)
+    p = p + (_int("idle_ppm", idle_ppm, 0, IDLE_WHOLE),)
     if override_k != 0:
         k, end = override_k, gemm_end_ps(override_k, *p)
     else:
@@ -329,7 +357,7 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
     if routed_counts is not None:
         mode = mode_times(routed_counts, tp_size, ep_size, topk, hidden, elem_bytes,
                           mode_num_ctas, mode_tile_ps, bm, bn, link_bandwidth_gbps,
-                          hbm_bandwidth_gbps)
+                          hbm_bandwidth_gbps, idle_ppm)
     return (k, end, tr, tl, p[3]) + terms + (mode,)
 
 
@@ -337,7 +365,8 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
 
 def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int,
                elem_bytes: int, num_ctas: int, tile_ps: int, bm: int, bn: int,
-               link_bandwidth_gbps: float, hbm_bandwidth_gbps: float) -> Tuple[float, ...]:
+               link_bandwidth_gbps: float, hbm_bandwidth_gbps: float,
+               idle_ppm: int = IDLE_WHOLE) -> Tuple[float, ...]:
     """Predicted time of the slowest rank in the direct and the pre-reduced mode
     (microseconds), and which group rank that is in each: (direct_us, prereduce_us,
     slowest_direct, slowest_prereduce). The formulas: `resource.mode`. Plain loops in one
@@ -347,6 +376,8 @@ def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int
         routed_counts: int [R, E] (R = TP * EP; row g = ep * TP + tp): tokens of rank g
             routed to expert e.
         tile_ps: tau, one tile's time at the profile's calibrated occupancy; num_ctas: G.
+        idle_ppm: the tile's last-wave idle cost (as `gemm_end_ps`): a rank's GEMM2 time
+            is its whole waves plus the last one's busy fraction + idle x its idle fraction.
 
     Raises:
         ValueError: not an integer [TP * EP, E] array with E divisible by EP, a negative
@@ -368,6 +399,7 @@ def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int
     bm, bn = _int("bm", bm, 1, 1 << 20), _int("bn", bn, 1, 1 << 20)
     b_link = _float("link_bandwidth_gbps", link_bandwidth_gbps, 1e-9)
     b_hbm = _float("hbm_bandwidth_gbps", hbm_bandwidth_gbps, 1e-9)
+    idle_frac = float(_int("idle_ppm", idle_ppm, 0, IDLE_WHOLE)) / float(IDLE_WHOLE)
     rows = [[int(x) for x in row] for row in counts.tolist()]
     if any(x < 0 for row in rows for x in row):
         raise ValueError(f"routed_counts has a negative count {int(counts.min())}")
@@ -397,7 +429,11 @@ def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int
         j = q // tp
         rows_q = sum(rows_to[d][j] for d in range(r))
         tiles_q = sum(tiles_to[d][j] for d in range(r))
-        waves_us = float(_cdiv(tiles_q, g)) * tau_us
+        full, rem = divmod(tiles_q, g)
+        waves = float(full)
+        if rem:
+            waves += (float(rem) + idle_frac * float(g - rem)) / float(g)
+        waves_us = waves * tau_us
         direct = (max(waves_us, float(rows_q - rows_to[q][j]) * row_link)
                   + float(sum(rows[q]) * tp + tokens[q]) * row_hbm)
         pre_rows = 0.0

@@ -103,7 +103,15 @@ class TileTime:
     `tma_store`: measured with the GEMM2 kernel's TMA-store epilogue
     (`ops.triton_gemm2_gatherrs.TileConfig.tma_store`; `launch/calibrate.py --tma-store`)
     instead of the register-store one; a YAML entry without the key is a register-store
-    time. One profile may hold both for a shape (`HardwareProfile.tile_time`)."""
+    time. One profile may hold both for a shape (`HardwareProfile.tile_time`).
+
+    `idle_wave_cost` (eta, in [0, 1]; YAML key optional, default 1): what a part-filled last
+    wave of the grid costs for its idle part, as a fraction of a wave's time. The resource
+    model prices a GEMM2 of n = tiles / G waves at tau x (floor(n) + phi + eta x (1 - phi)),
+    phi = the last wave's busy fraction (`resource.model.waves_ps`): 1 is the whole-wave
+    model (ceil(n) x tau, every profile before v6.3), 0 a fluid one. `launch/calibrate.py`
+    measures it (`--tail-ffn`); docs/perf_notes.md v6.2 found ~0.1 for the default TMA-store
+    tile and ~0.75 for `WIDE_TILE` on one H100."""
 
     bm: int
     bn: int
@@ -112,6 +120,7 @@ class TileTime:
     alpha_us: float
     beta_us: float
     tma_store: bool = False
+    idle_wave_cost: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("bm", "bn", "bk", "ctas_per_sm"):
@@ -120,6 +129,10 @@ class TileTime:
             raise ValueError(f"tile_times.tma_store={self.tma_store!r}: expected true or false")
         _check_float("tile_times.alpha_us", self.alpha_us, positive=False)
         _check_float("tile_times.beta_us", self.beta_us, positive=False)
+        _check_float("tile_times.idle_wave_cost", self.idle_wave_cost, positive=False)
+        if self.idle_wave_cost > 1.0:
+            raise ValueError(f"tile_times.idle_wave_cost={self.idle_wave_cost!r}: expected a "
+                             "number in [0, 1] (a fraction of a wave's time)")
         if self.alpha_us + self.beta_us <= 0:
             raise ValueError(f"tile_times {self.bm}x{self.bn}x{self.bk}: alpha_us + beta_us "
                              "must be > 0 (a tile takes time)")
@@ -127,6 +140,11 @@ class TileTime:
     @property
     def shape(self) -> Tuple[int, int, int]:
         return (self.bm, self.bn, self.bk)
+
+    @property
+    def idle_ppm(self) -> int:
+        """`idle_wave_cost` in the solver's unit: millionths of a wave (int, 0..1_000_000)."""
+        return int(round(self.idle_wave_cost * 1_000_000))
 
     @property
     def key(self) -> Tuple[int, int, int, bool]:
@@ -230,8 +248,11 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         """Plain dict in the YAML layout (`save_profile`)."""
         d = asdict(self)
-        # (tma_store only where true: a register-store entry reads as before)
-        d["tile_times"] = [{k: v for k, v in asdict(t).items() if k != "tma_store" or v}
+        # (tma_store only where true, idle_wave_cost only where not 1: an entry without
+        # them reads as before)
+        d["tile_times"] = [{k: v for k, v in asdict(t).items()
+                            if not (k == "tma_store" and not v)
+                            and not (k == "idle_wave_cost" and v == 1.0)}
                            for t in self.tile_times]
         if not d["extra"]:
             del d["extra"]
@@ -269,9 +290,10 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         tile_objs = []
         for t in tiles:
             want = {"bm", "bn", "bk", "ctas_per_sm", "alpha_us", "beta_us"}
-            if not want <= set(t) <= want | {"tma_store"}:
+            if not want <= set(t) <= want | {"tma_store", "idle_wave_cost"}:
                 raise ValueError(f"tile_times entry {t}: expected exactly the keys "
-                                 f"{sorted(want)}, and optionally tma_store")
+                                 f"{sorted(want)}, and optionally tma_store and "
+                                 "idle_wave_cost")
             tile_objs.append(TileTime(**t))
         rest = {k: data[k] for k in _KEYS[3:]}
         return HardwareProfile(name=data["name"], gpu=GpuLimits(**gpu),
