@@ -22,6 +22,14 @@ written, every rank measures alike at the same time, as in the fused op):
              the tiles the resource manager may choose per call), one entry each (the
              base's entries of other shapes are not copied: a candidate the run did
              not measure is not offered);
+  last wave  for each swept tile and each F in --tail-ffn (since v6.3), the GEMM2 at two
+             whole wave counts N0, N1 and at N0 waves plus a last wave ~1/4, 1/2, 3/4 full
+             (`bench.workloads.tail_sweep`: top-1 routing on 8 experts), timed
+             interleaved: the per-wave time is (t(N1) - t(N0)) / (N1 - N0), and each
+             part-filled point's time over t(N0) is fill + eta x (1 - fill) waves; the
+             least-squares eta over every F, clipped to [0, 1], is the tile's
+             `idle_wave_cost` (1: whole waves; the resource model prices a part-filled
+             last wave with it);
   peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
              --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
              largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
@@ -74,6 +82,9 @@ from megatron_overlap.resource.profile import (  # noqa: E402
 DEFAULT_FFN = (384, 704, 768, 1408, 3200, 6400, 7168, 14336)
 """The F (per TP rank) of the oracle suite's shapes (EP=2 and TP=2): each is one kernel
 compilation, so --ffn with fewer values shortens a run."""
+DEFAULT_TAIL_FFN = (1408, 6400, 14336)
+"""The F of the last-wave sweep: a fine-grained (Qwen1.5-MoE / DeepSeek-V2-Lite) and the
+two coarse models' depths."""
 DEFAULT_CTAS = (1, 2, 4, 8, 16, 32, 64, 0)  # 0: the whole grid (one CTA per SM)
 
 
@@ -94,6 +105,39 @@ def fit_tile_time(ksteps: Sequence[int], tau_us: Sequence[float]) -> Tuple[float
     if alpha < 0:  # through the origin
         return 0.0, float((x * y).sum() / (x * x).sum())
     return float(alpha), float(beta)
+
+
+def fit_idle_wave_cost(rows: Sequence[dict]) -> float:
+    """eta of one tile from its last-wave sweep rows (`measure_tails`; each: ffn, waves,
+    fill, point "whole" / "partial", ms): per F, the per-wave time u = (t(N1) - t(N0)) /
+    (N1 - N0) of its two whole points, then for each partial point y = (t - t(N0)) / u -
+    fill = eta x (1 - fill); the least-squares eta over every F's partial points
+    (sum (1 - fill) y / sum (1 - fill)^2), clipped to [0, 1], rounded to 3 decimals.
+
+    Raises:
+        ValueError: an F without exactly two whole points, a per-wave time <= 0, or no
+            partial point.
+    """
+    by_f: Dict[int, List[dict]] = {}
+    for r in rows:
+        by_f.setdefault(r["ffn"], []).append(r)
+    num = den = 0.0
+    for f, group in sorted(by_f.items()):
+        whole = sorted((r for r in group if r["point"] == "whole"), key=lambda r: r["waves"])
+        if len(whole) != 2:
+            raise ValueError(f"F={f}: expected two whole-wave points, got {len(whole)}")
+        per_wave = (whole[1]["ms"] - whole[0]["ms"]) / (whole[1]["waves"] - whole[0]["waves"])
+        if not per_wave > 0:
+            raise ValueError(f"F={f}: per-wave time {per_wave} ms from the whole points "
+                             f"{[(r['waves'], r['ms']) for r in whole]}: expected > 0")
+        for r in group:
+            if r["point"] == "partial":
+                x = 1.0 - r["fill"]
+                num += x * ((r["ms"] - whole[0]["ms"]) / per_wave - r["fill"])
+                den += x * x
+    if den == 0:
+        raise ValueError("no part-filled last-wave point to fit idle_wave_cost from")
+    return round(min(1.0, max(0.0, num / den)), 3)
 
 
 def fit_link(ctas: Sequence[int], gbps: Sequence[float]) -> Tuple[float, float]:
@@ -161,21 +205,29 @@ def _row_key(row: dict) -> Tuple[int, int, int, bool]:
 
 def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: List[dict],
                   store_rows: List[dict], hbm_gbps: float, launch_us: float,
-                  latency_us: float, source: str, link_from_base: bool) -> HardwareProfile:
+                  latency_us: float, source: str, link_from_base: bool,
+                  tail_rows: Sequence[dict] = ()) -> HardwareProfile:
     """The profile from the measured rows (`tile_rows`: bm, bn, bk (absent: `DEFAULT_TILE`),
     ksteps, tau_us, ctas_per_sm and tma_store (absent: False), one tile_times entry fitted
-    per tile shape and epilogue, the default tile's first; `store_rows`: ctas, gbps)."""
+    per tile shape and epilogue, the default tile's first; `store_rows`: ctas, gbps;
+    `tail_rows`: the last-wave sweep (`measure_tails`), each entry's `idle_wave_cost`
+    fitted from its own rows (`fit_idle_wave_cost`), 1.0 (whole waves) for an entry
+    without any, which `extra.idle_wave_cost_measured` lists as false)."""
     bm, bn, bk = DEFAULT_TILE
     entries = []
+    measured_idle: Dict[str, bool] = {}
     keys = sorted({_row_key(r) for r in tile_rows},
                   key=lambda k: (k[:3] != DEFAULT_TILE, k))  # the default tile first
     for key in keys:
         rows = [r for r in tile_rows if _row_key(r) == key]
         alpha, beta = fit_tile_time([r["ksteps"] for r in rows], [r["tau_us"] for r in rows])
+        tails = [r for r in tail_rows if _row_key(r) == key]
+        idle = fit_idle_wave_cost(tails) if tails else 1.0
+        measured_idle[f"{key[0]}x{key[1]}x{key[2]}{'tma' if key[3] else ''}"] = bool(tails)
         entries.append(TileTime(bm=key[0], bn=key[1], bk=key[2],
                                 ctas_per_sm=rows[0]["ctas_per_sm"],
                                 alpha_us=round(alpha, 4), beta_us=round(beta, 5),
-                                tma_store=key[3]))
+                                tma_store=key[3], idle_wave_cost=idle))
     # A TMA-store time not measured here (no --tma-store): the base's, where it has one, so
     # that a re-calibration without the flag does not drop it (`tma_store_copied_from_base`).
     copied_tma = not any(t.tma_store and t.shape == (bm, bn, bk) for t in entries) and any(
@@ -196,11 +248,43 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         launch_overhead_us=round(max(0.0, launch_us), 3),
         # not measured here (a host cost, from bench_op's ours_prereduced_host - ours_host)
         prereduce_host_us=base.prereduce_host_us, provisional=False, source=source,
-        extra={"tile_sweep": tile_rows, "peer_store_sweep": store_rows,
+        extra={"tile_sweep": tile_rows, "tail_sweep": list(tail_rows),
+               "idle_wave_cost_measured": measured_idle, "peer_store_sweep": store_rows,
                "link_values_copied_from_base": link_from_base,
                "tma_store_copied_from_base": copied_tma,
 
                "prereduce_host_us_copied_from_base": base.name})
+
+
+def synthetic_tails(base: HardwareProfile, tail_ffns, num_sms: int, hidden: int,
+                    tma_store: bool = False, tiles=()) -> List[dict]:
+    """--dry-run: the last-wave sweep's rows if the base profile were exact: each point's time
+    from the base's tile time and `idle_wave_cost` (so the fit gives the base's value back),
+    for the tiles `synthetic_measurements` sweeps, one CTA per SM."""
+    from megatron_overlap.bench.workloads import tail_sweep
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
+
+    rows = []
+    sweeps = [(REGISTER_TILE, False)] + ([(DEFAULT_TMA_TILE, True)] if tma_store else [])
+    for config, tma in sweeps + [(t, t.tma_store) for t in tiles]:
+        shape = (config.bm, config.bn, config.bk)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = (base.tile_time(*shape, tma_store=tma) if base.has_tile_time(*shape)
+                 else base.tile_time(*DEFAULT_TILE))
+        for f in tail_ffns:
+            tau_ms = (t.alpha_us + t.beta_us * -(-f // shape[2])) * 1e-3
+            for p in tail_sweep(config.bm, config.bn, num_sms, hidden=hidden):
+                full = math.floor(p.waves + 1e-9)
+                waves = (p.waves if p.fill == 1.0
+                         else full + p.fill + t.idle_wave_cost * (1.0 - p.fill))
+                rows.append(dict(tile=config.name, bm=shape[0], bn=shape[1], bk=shape[2],
+                                 tma_store=tma, ffn=f, tiles=p.tiles, grid=num_sms,
+                                 waves=round(p.waves, 6), fill=p.fill,
+                                 point="whole" if p.fill == 1.0 else "partial",
+                                 ms=0.005 + waves * tau_ms))
+    return rows
 
 
 def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
@@ -344,6 +428,74 @@ def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
     return rows
 
 
+def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
+                  tiles) -> List[dict]:
+    """The last-wave sweep (module docstring "last wave"): for each tile (a
+    `ops.triton_gemm2_gatherrs.TileConfig`) and each F in --tail-ffn, the GEMM2 tiles alone
+    (`_Call.gemm_only` on the plan's grid) on every `bench.workloads.tail_sweep` point, the
+    points of one (tile, F) timed interleaved on shared operands. Rows: tile, bm, bn, bk,
+    tma_store, ffn, tiles, grid, waves (tiles / grid), fill, point ("whole" / "partial"),
+    ms (p50). Measures with the tile times of `base` (for the plan's grid alone)."""
+    import torch
+
+    from megatron_overlap.bench.workloads import rank_rows, tail_sweep, top1_routing_map
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, epilogue_stores_tma
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+    from megatron_overlap.symm import get_workspace
+
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ws = get_workspace(None, hidden=args.hidden, dtype=torch.bfloat16, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    rows = []
+    for tile in tiles:
+        shape = (tile.bm, tile.bn, tile.bk)
+        tma_store = epilogue_stores_tma(tile, args.hidden, 2)
+        if not base.has_tile_time(*shape, tma_store):  # as measure_tiles: sets the grid only
+            base = dataclasses.replace(base, tile_times=base.tile_times + tuple(
+                TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
+                for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
+        probe = rank_rows([top1_routing_map([tile.bm])], tp=1, ep=1, rank=0, topk=1).meta
+        grid = plan_gemm2_gatherrs(probe, GatherRSOptions(backend="triton"), num_sms=num_sms,
+                                   hidden=args.hidden, ffn=args.tail_ffn[0],
+                                   tma_store=tma_store, profile=base, tile=shape).num_ctas
+        points = tail_sweep(tile.bm, tile.bn, grid, hidden=args.hidden)
+        metas = [rank_rows([top1_routing_map(p.rows)], tp=1, ep=1, rank=0, topk=1).meta.to(
+            device) for p in points]
+        n = max(int(m.tokens_per_local_expert.sum()) for m in metas)
+        experts = len(points[0].rows)
+        for f in args.tail_ffn:
+            h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
+            w2 = (torch.randn(experts, args.hidden, f, generator=gen, device=device)
+                  / f**0.5).to(torch.bfloat16)
+            calls = []
+            for p, meta in zip(points, metas):
+                plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"),
+                                           num_sms=num_sms, hidden=args.hidden, ffn=f,
+                                           tma_store=tma_store, profile=base, tile=shape)
+                call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype,
+                             device=device, timeout_s=30.0, tile=tile)
+                call.run(h[:int(meta.tokens_per_local_expert.sum())], w2)
+                if plan.breakdown.local_tiles != p.tiles or plan.num_ctas != grid:
+                    raise RuntimeError(
+                        f"tail sweep {tile.name}: the plan has {plan.breakdown.local_tiles} "
+                        f"tiles on a grid of {plan.num_ctas}, the point expected {p.tiles} on "
+                        f"{grid}")
+                calls.append((p, plan, call))
+            times = timed_interleaved([lambda c=c, g=pl.num_ctas: c.gemm_only(g)
+                                       for _, pl, c in calls], args.warmup, args.iters,
+                                      args.queue_ms)
+            for (p, _, _), t in zip(calls, times):
+                rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk,
+                                 tma_store=tma_store, ffn=f, tiles=p.tiles, grid=grid,
+                                 waves=round(p.waves, 6), fill=p.fill,
+                                 point="whole" if p.fill == 1.0 else "partial",
+                                 ms=t["p50"]))
+            del h, w2, calls, times
+            torch.cuda.empty_cache()
+    return rows
+
+
 def measure_link(args, device, timed, num_sms: int):
     import torch
     import torch.distributed as dist
@@ -430,6 +582,11 @@ def main(argv=None) -> int:
                              "them, from ops.triton_gemm2_gatherrs.TILE_CANDIDATES, e.g. "
                              "256x128x64w8s4); default: all candidates; none: --tiles with "
                              "no value")
+    parser.add_argument("--tail-ffn", nargs="*", type=positive_int,
+                        default=list(DEFAULT_TAIL_FFN),
+                        help="GEMM depths F of the last-wave sweep that measures each tile's "
+                             "idle_wave_cost (none: --tail-ffn with no value; the entries "
+                             "then keep 1.0, whole waves)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
@@ -458,11 +615,13 @@ def main(argv=None) -> int:
         num_sms = base.gpu.num_sms
         tile_rows, store_rows = synthetic_measurements(base, args.ffn, args.ctas, num_sms,
                                                        args.tma_store, extra_tiles)
+        tail_rows = synthetic_tails(base, args.tail_ffn, num_sms, args.hidden, args.tma_store,
+                                    extra_tiles)
         profile = build_profile(
             args.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
             base.launch_overhead_us, base.store_latency_us,
             source=f"launch/calibrate.py --dry-run {stamp}: generated from {base.name}, "
-                   "nothing measured", link_from_base=False)
+                   "nothing measured", link_from_base=False, tail_rows=tail_rows)
         profile = dataclasses.replace(profile, provisional=True)
         save_profile(profile, args.out, header="DRY RUN: values generated from the base "
                                                "profile's model, not measured")
@@ -484,9 +643,11 @@ def main(argv=None) -> int:
 
     from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
 
-    tile_rows = measure_tiles(args, device, bench_op.timed_interleaved, base,
-                              [REGISTER_TILE] + ([DEFAULT_TMA_TILE] if args.tma_store else [])
-                              + list(extra_tiles))
+    swept = ([REGISTER_TILE] + ([DEFAULT_TMA_TILE] if args.tma_store else [])
+             + list(extra_tiles))
+    tile_rows = measure_tiles(args, device, bench_op.timed_interleaved, base, swept)
+    tail_rows = (measure_tails(args, device, bench_op.timed_interleaved, base, swept)
+                 if args.tail_ffn else [])
     hbm_gbps, launch_us = measure_local(args, device, bench_op.timed)
     world = dist.get_world_size()
     if world > 1:
@@ -497,10 +658,13 @@ def main(argv=None) -> int:
         source = (f"launch/calibrate.py on {world}x {torch.cuda.get_device_name(device)}, "
                   f"{stamp}, git {bench_op.git_sha()[:12]}, torch {torch.__version__}")
         profile = build_profile(args.name, base, gpu, tile_rows, store_rows, hbm_gbps,
-                                launch_us, latency_us, source, link_from_base=world == 1)
+                                launch_us, latency_us, source, link_from_base=world == 1,
+                                tail_rows=tail_rows)
         header = (f"Calibrated: {source}.\n"
                   + ("Link values copied from the base profile (one rank).\n" if world == 1
                      else "")
+                  + ("idle_wave_cost not measured (--tail-ffn with no value): 1.0, whole "
+                     "waves.\n" if not tail_rows else "")
                   + ("TMA-store tile time copied from the base profile (not measured: "
                      "no --tma-store).\n" if profile.extra["tma_store_copied_from_base"]
                      else "")
@@ -522,7 +686,7 @@ def _print(p: HardwareProfile) -> None:
     for t in p.tile_times:
         print(f"tile {t.bm}x{t.bn}x{t.bk}, {'TMA' if t.tma_store else 'register'} stores: "
               f"tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) us at "
-              f"{t.ctas_per_sm} CTA/SM")
+              f"{t.ctas_per_sm} CTA/SM, idle_wave_cost {t.idle_wave_cost:.3f}")
     print(f"B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
           f"{p.cta_bandwidth_gbps:.2f} GB/s | HBM {p.hbm_bandwidth_gbps:.0f} GB/s | launch "
           f"{p.launch_overhead_us:.1f} us | store latency {p.store_latency_us:.2f} us | "
@@ -534,6 +698,9 @@ def _print(p: HardwareProfile) -> None:
               f"{' TMA' if r.get('tma_store') else ''} tau={r['tau_us']:.2f} us"
               + (f" (fit {t.alpha_us + t.beta_us * r['ksteps']:.2f})" if not math.isnan(
                   r["tau_us"]) else ""))
+    for r in extra.get("tail_sweep", []):
+        print(f"  last wave {r['tile']} F={r['ffn']:>6} tiles={r['tiles']:>5} "
+              f"waves={r['waves']:.3f} ({r['point']}) {r['ms']:.4f} ms")
     for r in extra.get("peer_store_sweep", []):
         print(f"  peer stores, {r['ctas']:>4} CTAs: {r['gbps']:.1f} GB/s")
 

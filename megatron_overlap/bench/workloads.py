@@ -144,6 +144,82 @@ def whole_wave_sweep(tiles: Sequence[Tuple[int, int, int]], *, topk: int, hidden
 
 
 @dataclass(frozen=True)
+class TailPoint:
+    """One workload of the last-wave sweep (`tail_sweep`): `rows` per expert (multiples of
+    BM), giving `tiles` tiles = `waves` x G (a float: whole waves and a last one `fill`
+    full; fill 1.0 for whole-wave points)."""
+
+    rows: Tuple[int, ...]
+    tiles: int
+    waves: float
+    fill: float
+
+
+def tail_sweep(bm: int, bn: int, grid: int, *, hidden: int, num_experts: int = 8,
+               min_waves: int = 8, fills: Sequence[float] = (0.25, 0.5, 0.75)
+               ) -> List[TailPoint]:
+    """The workloads that measure what a part-filled last wave costs one tile shape on a
+    grid of G = `grid` CTAs (`launch/calibrate.py`, `TileTime.idle_wave_cost`): two whole-wave
+    points, N0 and N1 waves (N0 the smallest >= `min_waves`, N1 the next, with N x G a
+    multiple of the ceil(H / BN) column blocks so that whole row blocks give exactly that
+    many tiles), then N0 waves plus a last wave filled to the nearest reachable fraction of
+    each of `fills` (tiles step by the column-block count). Rows are whole BM blocks,
+    spread over `num_experts` experts as evenly as they go. The whole points give the
+    per-wave time (t(N1) - t(N0)) / (N1 - N0) without the launch's fixed cost; each partial
+    point's excess over t(N0) is fill + eta x (1 - fill) of it.
+
+    Returns:
+        The points in order: N0, N1, then the partial ones (none where a wave is not
+        larger than one row block's tiles, G <= ceil(H / BN)).
+
+    Raises:
+        ValueError: a size < 1, a fill outside (0, 1).
+    """
+    for name, value in (("bm", bm), ("bn", bn), ("grid", grid), ("hidden", hidden),
+                        ("num_experts", num_experts), ("min_waves", min_waves)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    if any(not 0.0 < f < 1.0 for f in fills):
+        raise ValueError(f"fills={list(fills)}: expected fractions in (0, 1)")
+    cols = -(-hidden // bn)
+    step = cols // math.gcd(grid, cols)  # waves between whole-wave points
+    n0 = -(-min_waves // step) * step
+    n1 = n0 + step
+
+    def point(tiles: int) -> TailPoint:
+        blocks = tiles // cols
+        rows = tuple((blocks // num_experts + (e < blocks % num_experts)) * bm
+                     for e in range(num_experts))
+        full, rem = divmod(tiles, grid)
+        return TailPoint(rows=rows, tiles=tiles, waves=tiles / grid,
+                         fill=round(rem / grid, 6) if rem else 1.0)
+
+    points = [point(n0 * grid), point(n1 * grid)]
+    seen = set()
+    for f in fills:
+        m = min(max(cols * round(f * grid / cols), cols), (grid - 1) // cols * cols)
+        if 0 < m < grid and m not in seen:
+            seen.add(m)
+            points.append(point(n0 * grid + m))
+    return points
+
+
+def top1_routing_map(rows_per_expert: Sequence[int]) -> torch.Tensor:
+    """[T, E] bool top-1 routing map with `rows_per_expert[e]` tokens on expert e
+    (contiguous token ranges), T = their sum.
+
+    Raises:
+        ValueError: a negative count, or no token at all.
+    """
+    rows = [int(r) for r in rows_per_expert]
+    if not rows or min(rows) < 0 or sum(rows) < 1:
+        raise ValueError(f"rows_per_expert={rows}: expected counts >= 0, at least one token")
+    expert = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+    return torch.zeros(sum(rows), len(rows), dtype=torch.bool).scatter_(
+        1, expert.unsqueeze(1), True)
+
+
+@dataclass(frozen=True)
 class RankRows:
     """This rank's received rows, in the op's `h` order.
 
