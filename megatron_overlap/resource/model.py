@@ -32,8 +32,8 @@ Times are integer picoseconds (`_ps`), so that Python and C++ compute bit-identi
               model, 0 a fluid one (docs/perf_notes.md v6.2 / v6.3)
     E(k)      = max(R(k), W(k)): predicted end of the GEMM2 tiles (and their peer stores)
 The plan's k is the smallest k in 1..G-1 with the least E(k); with no remote tile k = 0 and
-E = waves(T_l * tau) (= ceil(T_l / G) * tau at eta = 1). Add the last store's latency, the finalize (HBM bytes / B_hbm) and
-the launch overhead for the predicted time of the op.
+E = waves(T_l * tau) (= ceil(T_l / G) * tau at eta = 1). Add the last store's latency, the
+finalize (HBM bytes / B_hbm) and the launch overhead for the predicted time of the op.
 
 Errors: bad input raises `ValueError` (a value out of range, infeasible resources) or
 `TypeError` (not an integer), naming the value and what was expected.
