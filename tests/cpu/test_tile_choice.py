@@ -46,8 +46,12 @@ def _meta(rows_per_expert, group=(1, 1)):
 
 
 def _profile(wide_ratio: float, base: str = "h100"):
-    """`base` with a `WIDE_TILE` tile time of `wide_ratio` x its default TMA-store tile's."""
+    """`base` with a `WIDE_TILE` tile time of `wide_ratio` x its default TMA-store tile's,
+    every entry priced in whole waves (idle_wave_cost 1: the counts below are ceil(tiles /
+    G); tests/cpu/test_last_wave.py covers the part-filled last wave)."""
     prof = load_profile(base)
+    prof = dataclasses.replace(prof, tile_times=tuple(
+        dataclasses.replace(t, idle_wave_cost=1.0) for t in prof.tile_times))
     d = prof.tile_time(128, 256, 64, tma_store=True)
     w = op.WIDE_TILE
     wide = TileTime(w.bm, w.bn, w.bk, ctas_per_sm=1, alpha_us=d.alpha_us * wide_ratio,
@@ -283,7 +287,7 @@ def test_the_group_choice_follows_the_slowest_ranks_prediction(monkeypatch):
                              elem_bytes=2, grid=NUM_SMS, tile_ps=tau_ps,
                              tile=(t.bm, t.bn, t.bk), link_gbps=prof.link_bandwidth_gbps,
                              hbm_gbps=prof.hbm_bandwidth_gbps,
-                             prereduce_host_us=prof.prereduce_host_us)
+                             prereduce_host_us=prof.prereduce_host_us, idle_ppm=tt.idle_ppm)
             expected[t.name] = (mc.prereduce_us + mc.prereduce_host_us
                                 if mc.mode == "prereduce" else mc.direct_us)
         assert choice.predicted_us == pytest.approx(expected, rel=1e-9), ratio
