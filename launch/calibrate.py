@@ -256,6 +256,26 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
                "prereduce_host_us_copied_from_base": base.name})
 
 
+def _synthetic_tile_time(base: HardwareProfile, shape, tma: bool) -> TileTime:
+    """--dry-run's tile time of `shape`: the base's entry for it (its register-store one
+    where it has no TMA-store entry, without the warning: the caller says so), else the
+    default tile's register-store entry."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return (base.tile_time(*shape, tma_store=tma) if base.has_tile_time(*shape)
+                else base.tile_time(*DEFAULT_TILE))
+
+
+def _with_placeholder_times(base: HardwareProfile, shape, tma_store: bool) -> HardwareProfile:
+    """`base` with a placeholder tile time (1 + 1 x K steps us) for `shape` where it has
+    none, register and (with `tma_store`) TMA-store entries, so that a plan counts this
+    tile's tiles and grid for a tile new to the profile (the time only sets k, and at world 1
+    no tile is remote)."""
+    return dataclasses.replace(base, tile_times=base.tile_times + tuple(
+        TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
+        for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
+
+
 def synthetic_tails(base: HardwareProfile, tail_ffns, num_sms: int, hidden: int,
                     tma_store: bool = False, tiles=()) -> List[dict]:
     """--dry-run: the last-wave sweep's rows if the base profile were exact: each point's time
@@ -269,10 +289,7 @@ def synthetic_tails(base: HardwareProfile, tail_ffns, num_sms: int, hidden: int,
     sweeps = [(REGISTER_TILE, False)] + ([(DEFAULT_TMA_TILE, True)] if tma_store else [])
     for config, tma in sweeps + [(t, t.tma_store) for t in tiles]:
         shape = (config.bm, config.bn, config.bk)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t = (base.tile_time(*shape, tma_store=tma) if base.has_tile_time(*shape)
-                 else base.tile_time(*DEFAULT_TILE))
+        t = _synthetic_tile_time(base, shape, tma)
         for f in tail_ffns:
             tau_ms = (t.alpha_us + t.beta_us * -(-f // shape[2])) * 1e-3
             for p in tail_sweep(config.bm, config.bn, num_sms, hidden=hidden):
@@ -301,10 +318,7 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
     sweeps += [(t, t.tma_store) for t in tiles]
     for config, tma in sweeps:
         shape = (config.bm, config.bn, config.bk)
-        with warnings.catch_warnings():  # (a base without a TMA-store entry: said above)
-            warnings.simplefilter("ignore")
-            t = (base.tile_time(*shape, tma_store=tma) if base.has_tile_time(*shape)
-                 else base.tile_time(*DEFAULT_TILE))
+        t = _synthetic_tile_time(base, shape, tma)
         for f in ffns:
             ksteps = -(-f // shape[2])
             tile_rows.append(dict(tile=config.name, bm=shape[0], bn=shape[1], bk=shape[2],
@@ -383,12 +397,7 @@ def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
         shape = (tile.bm, tile.bn, tile.bk)
         tma_store = epilogue_stores_tma(tile, args.hidden, 2)
         if not base.has_tile_time(*shape, tma_store):
-            # a tile new to the base profile: a placeholder time, so that the plan below
-            # counts this tile's tiles (its time only sets k, and at world 1 no tile is
-            # remote)
-            base = dataclasses.replace(base, tile_times=base.tile_times + tuple(
-                TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
-                for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
+            base = _with_placeholder_times(base, shape, tma_store)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     meta = sweep_meta(args, tiles, base, num_sms).to(device)
     n = int(meta.tokens_per_local_expert.sum())
@@ -451,10 +460,8 @@ def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
     for tile in tiles:
         shape = (tile.bm, tile.bn, tile.bk)
         tma_store = epilogue_stores_tma(tile, args.hidden, 2)
-        if not base.has_tile_time(*shape, tma_store):  # as measure_tiles: sets the grid only
-            base = dataclasses.replace(base, tile_times=base.tile_times + tuple(
-                TileTime(*shape, ctas_per_sm=1, alpha_us=1.0, beta_us=1.0, tma_store=tma)
-                for tma in {False, tma_store} if not base.has_tile_time(*shape, tma)))
+        if not base.has_tile_time(*shape, tma_store):
+            base = _with_placeholder_times(base, shape, tma_store)
         probe = rank_rows([top1_routing_map([tile.bm])], tp=1, ep=1, rank=0, topk=1).meta
         grid = plan_gemm2_gatherrs(probe, GatherRSOptions(backend="triton"), num_sms=num_sms,
                                    hidden=args.hidden, ffn=args.tail_ffn[0],
