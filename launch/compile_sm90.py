@@ -1,6 +1,7 @@
 """Compile the GEMM2 + scatter kernel for Hopper (sm_90) on a machine without a GPU.
 
     python3 launch/compile_sm90.py --topk 8 --experts-pow2 128 --tma-store --out /tmp/sm90
+    python3 launch/compile_sm90.py --tile 256x128x64 --num-stages 4   # WIDE_TILE
     python3 launch/compile_sm90.py --compare /path/to/other/checkout   # SASS identical?
 
 Triton compiles `_gemm_scatter_kernel` with the specialisations a GPU launch gives it (bf16,
@@ -12,7 +13,10 @@ interest in its PTX (TMA copies, bulk waits, proxy fences, barriers, wgmma) and 
 TTGIR waits for the epilogue's TMA store (right after it: synchronous; before the next
 tile's store into the same buffer: asynchronous), and whether every arrival signal follows
 a full wait for the TMA stores, a proxy fence and a barrier in the PTX
-(`signals_after_bulk_wait`; null without TMA stores). `--out DIR` keeps the PTX, TTGIR and
+(`signals_after_bulk_wait`; null without TMA stores), and the global stores by width
+(`global_stores`: e.g. {"st.global.v4.b32": 16, ...}; the register epilogue's tile is 16
+bytes per store where the pointer hints hold, one element per store, `st.global.b16`, where
+they do not). `--out DIR` keeps the PTX, TTGIR and
 cubin. `--compare TREE` compiles the same kernel from another checkout of this repository
 (e.g. `git worktree add /tmp/base HEAD`) and says whether the two SASS listings are
 identical (addresses stripped), which is how a change can be shown to leave a compiled
@@ -101,7 +105,49 @@ def compile_kernel(repo: str, *, topk: int, experts_pow2: int,
     return dict(shared=int(compiled.metadata.shared), ptx=ptx, ttgir=ttgir,
                 cubin=compiled.asm["cubin"],
                 counts={p: len(re.findall(re.escape(p), ptx)) for p in PTX_COUNTS},
-                store_wait=store_wait, signals_ordered=signals_after_bulk_wait(ptx))
+                store_wait=store_wait, signals_ordered=signals_after_bulk_wait(ptx),
+                global_stores=global_store_widths(ptx))
+
+
+def global_store_widths(ptx: str) -> dict:
+    """Plain global store instructions of a PTX listing by their full opcode (e.g.
+    "st.global.v4.b32", "st.global.b16"; atomics and TMA copies are not stores here), in
+    the listing's static count (unrolled code counts each copy)."""
+    counts: dict = {}
+    for op in re.findall(r"^\s*(?:@!?%p\d+\s+)?(st\.global(?:\.[\w:]+)*)\s", ptx, re.M):
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+REDUCE_SEND_ARGS = dict(
+    y_ptr="*bf16", rowy_ptr="*i32", table_ptr="*i32", peer_recv_ptrs="*i64",
+    peer_sig_ptrs="*i64", sig_ptr="*i64", my_rank="i32", num_ranks="i32", num_rows="i32",
+    H="i32", freed_target="i64", timeout_ns="i64", err_ptr="*i64")
+"""`_reduce_send_kernel`'s runtime arguments as a bf16 GPU launch passes them."""
+
+
+def compile_reduce_send(repo: str, *, topk: int, block=(32, 256), num_warps: int = 4) -> dict:
+    """Compile `repo`'s pre-reduced send kernel (`_reduce_send_kernel`: the peer stores of
+    the pre-reduced mode) for sm_90 with a GPU launch's specialisations (16-byte-aligned
+    pointers, H divisible by 16); returns {shared, global_stores}. Runs in this process."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_overlap.kernels import gemm2_gatherrs as k
+
+    fn = k._reduce_send_kernel
+    consts = dict(K=topk, BT=block[0], BH=block[1], USE_TIMER=True)
+    if sorted(n for n in fn.arg_names if n not in consts) != sorted(REDUCE_SEND_ARGS):
+        raise ValueError(f"{repo}: its _reduce_send_kernel has another signature")
+    signature = {n: "constexpr" if n in consts else REDUCE_SEND_ARGS[n] for n in fn.arg_names}
+    aligned = [n for n, t in REDUCE_SEND_ARGS.items() if t.startswith("*")] + ["H"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps))
+    return dict(shared=int(compiled.metadata.shared),
+                global_stores=global_store_widths(compiled.asm["ptx"]))
 
 
 def signals_after_bulk_wait(ptx: str):
@@ -158,6 +204,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tile_shape(text: str) -> tuple:
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", text)
+    if not m or any(v < 16 or v > 256 or v & (v - 1) for v in map(int, m.groups())):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BMxBNxBK, each a power of two "
+                                         "in [16, 256]")
+    return tuple(int(v) for v in m.groups())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topk", type=_positive, default=8,
@@ -172,6 +226,13 @@ def main(argv=None) -> int:
     parser.add_argument("--pointer-loads", action="store_true",
                         help="no TMA loads (rows not 16-byte aligned)")
     parser.add_argument("--num-stages", type=_positive, default=3)
+    parser.add_argument("--num-warps", type=_positive, default=8,
+                        help="a power of two in [1, 32]")
+    parser.add_argument("--reduce-send", action="store_true",
+                        help="also compile the pre-reduced mode's send kernel "
+                             "(`_reduce_send_kernel`, --topk): its global stores by width")
+    parser.add_argument("--tile", type=_tile_shape, default=(128, 256, 64),
+                        help="BMxBNxBK (default 128x256x64, the default tile's)")
     parser.add_argument("--out", default="", help="folder for the PTX, TTGIR and cubin")
     parser.add_argument("--compare", default="",
                         help="another checkout: compile its kernel alike and compare SASS")
@@ -182,6 +243,8 @@ def main(argv=None) -> int:
         parser.error(f"--experts-pow2 {e2}: expected a power of two in [16, 128] (the "
                      "launcher's max(16, next power of two of the experts); above 128 the "
                      "GEMM2 kernel builds no finalize index)")
+    if args.num_warps not in (1, 2, 4, 8, 16, 32):
+        parser.error(f"--num-warps {args.num_warps}: expected a power of two in [1, 32]")
     if args.topk > e2:
         parser.error(f"--topk {args.topk}: expected at most --experts-pow2 ({e2})")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -199,7 +262,9 @@ def main(argv=None) -> int:
     options = dict(topk=args.topk,
                    experts_pow2=args.experts_pow2, tp=args.tp, tma_store=args.tma_store,
                    rotate=args.rotate, static=not args.dynamic,
-                   tma_loads=not args.pointer_loads, num_stages=args.num_stages)
+                   tma_loads=not args.pointer_loads, num_stages=args.num_stages,
+                   num_warps=args.num_warps, bm=args.tile[0], bn=args.tile[1],
+                   bk=args.tile[2])
     if (args.rotate or args.tma_store) and args.dynamic:
         parser.error("--rotate and --tma-store need the static schedule (no --dynamic)")
     other_sass = None
@@ -230,8 +295,14 @@ def main(argv=None) -> int:
                    fits_sm90=result["shared"] <= SHARED_LIMIT_BYTES,
                    tma_store_wait=result["store_wait"],
                    signals_after_bulk_wait=result["signals_ordered"],
-                   ptx_counts=result["counts"],
+                   ptx_counts=result["counts"], global_stores=result["global_stores"],
                    triton=__import__("triton").__version__, options=options)
+    if args.reduce_send:
+        try:
+            summary["reduce_send"] = compile_reduce_send(repo, topk=args.topk)
+        except ValueError as err:
+            print(f"compile_sm90.py: {err}", file=sys.stderr)
+            return 2
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         for ext in ("ptx", "ttgir"):

@@ -210,11 +210,15 @@ def _tile(h_ptr, w2_ptr, a_desc, b_desc, tile_ptr, dest, store_ok, peer_recv_ptr
             acc = tl.dot(a, b, acc)
             a_ptrs += BK
             b_ptrs += BK
+    # (The hint goes on each branch's pointer: on the if's result, an scf.if value, Triton
+    # 3.6's axis analysis drops it and the register epilogue stores one element per
+    # instruction: 128 st.global.b16 per thread and 256 x 128 tile instead of 16
+    # st.global.v4.b32, from v5.0 to v6.3; `launch/compile_sm90.py` counts them.)
     if dest == my_rank:
-        dst = local_ptr
+        dst = tl.multiple_of(local_ptr, 16)
     else:
-        dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(h_ptr.dtype.element_ty))
-    dst = tl.multiple_of(dst, 16)
+        dst = tl.multiple_of(
+            tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(h_ptr.dtype.element_ty)), 16)
     r_end = tl.where(store_ok != 0, r1, r0)  # no row stored unless store_ok
     if TMA_STORE:
         if USE_TIMER:
@@ -625,7 +629,10 @@ def _reduce_send_kernel(y_ptr, rowy_ptr, table_ptr, peer_recv_ptrs, peer_sig_ptr
     at = (row0 + tokens.to(tl.int64)) * K
     first = tl.load(rowy_ptr + at, mask=t_ok, other=-1)
     keep = (tl.where(ok != 0, first, -1) >= 0) & t_ok
-    dst = tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(y_ptr.dtype.element_ty))
+    # 16-byte-aligned receive buffers (symmetric allocations): the hint makes the peer
+    # stores 16 bytes wide instead of one element each
+    dst = tl.multiple_of(
+        tl.load(peer_recv_ptrs + dest).to(tl.pointer_type(y_ptr.dtype.element_ty)), 16)
     out_rows = (my_rank * num_tokens + tokens).to(tl.int64)
     for c0 in range(0, H, BH):
         cols = c0 + tl.arange(0, BH)

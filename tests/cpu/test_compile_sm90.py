@@ -1,6 +1,8 @@
 """`launch/compile_sm90.py`: the GEMM2 + scatter kernel compiles for Hopper on a machine
-without a GPU (Triton's own ptxas), in the default configuration and with the TMA-store
-epilogue and rotated waves, within sm_90's shared memory; its bad arguments exit 2. What the
+without a GPU (Triton's own ptxas), in the default configuration, as `WIDE_TILE` and with
+the TMA-store epilogue and rotated waves, within sm_90's shared memory, and the register
+epilogue's and the pre-reduced send's global stores are 16 bytes wide; its bad arguments
+exit 2. What the
 GPU machine's Triton makes of the epilogue (synchronous or not) is version-dependent and
 not asserted here (docs/perf_notes.md v5.2)."""
 
@@ -32,7 +34,8 @@ def cuda_backend():
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90_with_and_without_the_tma_epilogue(cuda_backend):
     summaries = {}
-    for name, args in (("default", ()), ("tma", ("--tma-store", "--rotate"))):
+    for name, args in (("default", ("--reduce-send",)), ("tma", ("--tma-store", "--rotate")),
+                       ("wide", ("--tile", "256x128x64", "--num-stages", "4"))):
         proc = _run(*args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summaries[name] = json.loads(proc.stdout)
@@ -45,6 +48,16 @@ def test_kernel_compiles_for_sm90_with_and_without_the_tma_epilogue(cuda_backend
     assert summaries["tma"]["tma_store_wait"] in ("synchronous", "asynchronous")
     assert summaries["tma"]["ptx_counts"]["st.global"] < summaries["default"]["ptx_counts"][
         "st.global"], summaries
+    # The register epilogue stores its tile 16 bytes per instruction: 128 x 256 (or 256 x 128)
+    # bf16 over 256 threads is 16 st.global.v4.b32 each, not 128 one-element stores (v5.0 to
+    # v6.3 lost the pointer's alignment hint in an if: docs/perf_notes.md v6.4). Likewise the
+    # pre-reduced send's peer stores.
+    for name in ("default", "wide"):
+        stores = summaries[name]["global_stores"]
+        assert stores.get("st.global.v4.b32", 0) >= 16 and "st.global.b16" not in stores, (
+            name, stores)
+    stores = summaries["default"]["reduce_send"]["global_stores"]
+    assert stores.get("st.global.v4.b32", 0) > 0 and "st.global.b16" not in stores, stores
     # Every arrival signal waits for the TMA stores' writes first (wait, proxy fence, barrier).
     assert summaries["default"]["signals_after_bulk_wait"] is None, summaries["default"]
     assert summaries["tma"]["signals_after_bulk_wait"] is True, summaries["tma"]
@@ -74,6 +87,8 @@ def test_signal_order_check_fails_without_the_wait():
 
 @pytest.mark.parametrize("args, message", [
     (("--topk", "0"), "--topk: '0': expected an integer >= 1"),
+    (("--tile", "128x96x64"), "expected BMxBNxBK, each a power of two in [16, 256]"),
+    (("--num-warps", "3"), "--num-warps 3: expected a power of two in [1, 32]"),
     (("--experts-pow2", "100"), "--experts-pow2 100: expected a power of two in [16, 128]"),
     (("--topk", "1000"), "--topk 1000: expected at most --experts-pow2 (128)"),
     (("--out", __file__), "is a file: give a folder"),
