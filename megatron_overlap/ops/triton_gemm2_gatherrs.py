@@ -136,7 +136,8 @@ WIDE_TILE = TileConfig(bm=256, bn=128, bk=64, num_warps=8, num_stages=4)
 """256 x 128 x 64, 8 warps, 4 pipeline stages, stores from registers (4 x 48 KiB of stages
 leave no room for the TMA store's 64 KiB staging tile): on one H100 7-11 % less time per
 tile than `DEFAULT_TMA_TILE` at Mixtral's and Phi-3.5's long K (F 14336 / 6400), 12-27 %
-more producer time on the fine-grained shapes (F <= 1408; docs/perf_notes.md v6.0, v6.1).
+more producer time on the fine-grained shapes (F <= 1408; docs/perf_notes.md v6.0, v6.1);
+3-4 % more there since v6.4 (its epilogue's stores 16 bytes wide, v6.4 run a).
 Offered to the resource manager by `plan_call` (`TILE_CANDIDATES`) where the hardware
 profile has its tile time (`launch/calibrate.py --tiles`)."""
 TILE_CANDIDATES = (WIDE_TILE,)
