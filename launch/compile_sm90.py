@@ -16,11 +16,11 @@ a full wait for the TMA stores, a proxy fence and a barrier in the PTX
 (`signals_after_bulk_wait`; null without TMA stores), and the global stores by width
 (`global_stores`: e.g. {"st.global.v4.b32": 16, ...}; the register epilogue's tile is 16
 bytes per store where the pointer hints hold, one element per store, `st.global.b16`, where
-they do not). `--out DIR` keeps the PTX, TTGIR and
-cubin. `--compare TREE` compiles the same kernel from another checkout of this repository
-(e.g. `git worktree add /tmp/base HEAD`) and says whether the two SASS listings are
-identical (addresses stripped), which is how a change can be shown to leave a compiled
-variant untouched without a GPU. Use the Triton version of the GPU machine for findings
+they do not; `--reduce-send` adds the pre-reduced send kernel's). `--out DIR` keeps the
+PTX, TTGIR and cubin. `--compare TREE` compiles the same kernel from another checkout of
+this repository (e.g. `git worktree add /tmp/base HEAD`) and says whether the two SASS
+listings are identical (addresses stripped), which is how a change can be shown to leave a
+compiled variant untouched without a GPU. Use the Triton version of the GPU machine for findings
 that matter there (`pip install --target DIR triton==3.6.0`, then `PYTHONPATH=DIR`):
 the pipeliner differs between versions (Triton 3.9 keeps the TMA-store epilogue
 synchronous where 3.6 makes it asynchronous, docs/perf_notes.md v5.2).
@@ -126,15 +126,17 @@ REDUCE_SEND_ARGS = dict(
 """`_reduce_send_kernel`'s runtime arguments as a bf16 GPU launch passes them."""
 
 
-def compile_reduce_send(repo: str, *, topk: int, block=(32, 256), num_warps: int = 4) -> dict:
+def compile_reduce_send(repo: str, *, topk: int, num_warps: int = 8) -> dict:
     """Compile `repo`'s pre-reduced send kernel (`_reduce_send_kernel`: the peer stores of
-    the pre-reduced mode) for sm_90 with a GPU launch's specialisations (16-byte-aligned
-    pointers, H divisible by 16); returns {shared, global_stores}. Runs in this process."""
+    the pre-reduced mode) for sm_90 as the GPU launcher runs it (its `REDUCE_SEND_BLOCK`,
+    8 warps, 16-byte-aligned pointers, H divisible by 16); returns {shared, global_stores}.
+    Runs in this process."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from megatron_overlap.kernels import gemm2_gatherrs as k
+    from megatron_overlap.ops.triton_prereduce import REDUCE_SEND_BLOCK as block
 
     fn = k._reduce_send_kernel
     consts = dict(K=topk, BT=block[0], BH=block[1], USE_TIMER=True)

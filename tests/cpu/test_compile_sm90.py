@@ -2,9 +2,8 @@
 without a GPU (Triton's own ptxas), in the default configuration, as `WIDE_TILE` and with
 the TMA-store epilogue and rotated waves, within sm_90's shared memory, and the register
 epilogue's and the pre-reduced send's global stores are 16 bytes wide; its bad arguments
-exit 2. What the
-GPU machine's Triton makes of the epilogue (synchronous or not) is version-dependent and
-not asserted here (docs/perf_notes.md v5.2)."""
+exit 2. What the GPU machine's Triton makes of the epilogue (synchronous or not) is
+version-dependent and not asserted here (docs/perf_notes.md v5.2)."""
 
 from __future__ import annotations
 
