@@ -120,6 +120,7 @@ from megatron_overlap.bench.breakdown import (
     profile_forwards,
 )
 from megatron_overlap.resource.solver import implementation_name
+from megatron_overlap.symm import destroy_workspaces
 
 SCHEMA = "megatron_overlap.layer/1"
 """`schema` field of every row; bump when a field changes meaning."""
@@ -484,8 +485,6 @@ def init_layout(run: RunConfig, tp: int, ep: int) -> dict:
         {"rank", "tp_rank", "ep_rank", "dp_rank"} of this process.
     """
     from megatron.core import parallel_state as ps
-
-    from megatron_overlap.symm import destroy_workspaces
 
     if ps.model_parallel_is_initialized():
         destroy_workspaces()
@@ -969,8 +968,6 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 # alone has (grown from a shorter length's, its receive buffer would carry
                 # the 1/8 growth headroom into symm_workspace_bytes). Collective: every rank
                 # runs the same lengths in the same order.
-                from megatron_overlap.symm import destroy_workspaces
-
                 destroy_workspaces()
                 result = time_workload(layers, x, run, device)
                 if run.host_breakdown:
@@ -1014,8 +1011,6 @@ def benchmark(run: RunConfig, shapes: list, device: torch.device) -> int:
                 append_rows(run.out, rows)
             del layers
             gc.collect()
-            from megatron_overlap.symm import destroy_workspaces
-
             destroy_workspaces()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -1060,8 +1055,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with contextlib.suppress(Exception):
             from megatron.core import parallel_state as ps
-
-            from megatron_overlap.symm import destroy_workspaces
 
             destroy_workspaces()
             ps.destroy_model_parallel()
