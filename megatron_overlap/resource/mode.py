@@ -43,6 +43,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from megatron_overlap.resource.model import IDLE_WHOLE
+
 
 @dataclass(frozen=True)
 class ModeChoice:
@@ -68,7 +70,7 @@ class ModeChoice:
 def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden: int,
                 elem_bytes: int, grid: int, tile_ps: int, tile: Tuple[int, int, int],
                 link_gbps: float, hbm_gbps: float, solver: Optional[str] = None,
-                prereduce_host_us: float = 0.0, idle_ppm: int = 1_000_000) -> ModeChoice:
+                prereduce_host_us: float = 0.0, idle_ppm: int = IDLE_WHOLE) -> ModeChoice:
     """Predict both modes from the group's routed counts; choose the faster.
 
     Args:
@@ -89,7 +91,7 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
             thousand tokens per rank) that time is on the critical path, and the GPU time the
             mode saves is not.
         idle_ppm: the tile's last-wave idle cost in millionths of a wave
-            (`TileTime.idle_ppm`; 1_000_000, the default, prices whole waves).
+            (`TileTime.idle_ppm`; `IDLE_WHOLE`, the default, prices whole waves).
 
     Returns:
         A `ModeChoice`; "direct" on ties and with one rank.

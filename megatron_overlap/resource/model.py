@@ -273,10 +273,11 @@ def gemm_end_ps(k: int, g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: 
         ValueError: k out of range, or a bad problem.
     """
     p = _check_problem(g, tr, tl, tau, c_link, c_cta, idle_ppm)
-    if p[1] == 0:
-        _int("k", k, 0, p[0])
-        return waves_ps(p[2] * p[3], p[0], p[3], p[6])
-    _int("k", k, 1, p[0])
+    g, tr, tl, tau, _, _, idle = p
+    if tr == 0:
+        _int("k", k, 0, g)
+        return waves_ps(tl * tau, g, tau, idle)
+    _int("k", k, 1, g)
     return _end(k, p)
 
 
@@ -294,9 +295,9 @@ def solve(g: int, tr: int, tl: int, tau: int, c_link: int, c_cta: int,
             the local queue), or a bad problem.
     """
     p = _check_problem(g, tr, tl, tau, c_link, c_cta, idle_ppm)
-    g, tr, tl, tau = p[:4]
+    g, tr, tl, tau, _, _, idle = p
     if tr == 0:
-        return 0, waves_ps(tl * tau, g, tau, p[6])
+        return 0, waves_ps(tl * tau, g, tau, idle)
     if g < 2:
         raise ValueError(f"num_ctas={g}: {tr} remote tiles need a grid of at least 2 CTAs "
                          "(k communication CTAs, 1 <= k <= G - 1)")

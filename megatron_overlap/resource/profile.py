@@ -27,6 +27,8 @@ from typing import Optional, Tuple, Union
 
 import yaml
 
+from megatron_overlap.resource.model import IDLE_WHOLE
+
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 """Directory of the shipped hardware profiles (``<repo>/configs/hardware``)."""
 
@@ -110,8 +112,9 @@ class TileTime:
     model prices a GEMM2 of n = tiles / G waves at tau x (floor(n) + phi + eta x (1 - phi)),
     phi = the last wave's busy fraction (`resource.model.waves_ps`): 1 is the whole-wave
     model (ceil(n) x tau, every profile before v6.3), 0 a fluid one. `launch/calibrate.py`
-    measures it (`--tail-ffn`); docs/perf_notes.md v6.2 found ~0.1 for the default TMA-store
-    tile and ~0.75 for `WIDE_TILE` on one H100."""
+    measures it (`--tail-ffn`, at ~8 waves); on one H100 docs/perf_notes.md v6.3 found
+    0.89-1.00 for every tile there (v6.2: ~0.1 for the default TMA-store tile after 31
+    waves, where the CTAs have drifted apart)."""
 
     bm: int
     bn: int
@@ -143,8 +146,8 @@ class TileTime:
 
     @property
     def idle_ppm(self) -> int:
-        """`idle_wave_cost` in the solver's unit: millionths of a wave (int, 0..1_000_000)."""
-        return int(round(self.idle_wave_cost * 1_000_000))
+        """`idle_wave_cost` in the solver's unit: millionths of a wave (int, 0..IDLE_WHOLE)."""
+        return int(round(self.idle_wave_cost * IDLE_WHOLE))
 
     @property
     def key(self) -> Tuple[int, int, int, bool]:
