@@ -70,6 +70,38 @@ SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
 `megatron_overlap.resource.solver.implementation`)."""
 
 
+ENV_PREFIX = "MEGATRON_OVERLAP_"
+"""Prefix of the fused path's environment variables (`ENVIRONMENT_VARIABLES`)."""
+
+ENVIRONMENT_VARIABLES = (
+    TILE_LIST_ENV, TMA_STORE_ENV, TILE_CHOICE_ENV, "MEGATRON_OVERLAP_FAST_LAUNCH",
+    "MEGATRON_OVERLAP_HW_PROFILE", SOLVER_ENV, FC1_CHUNK_ENV, HOST_TABLES_ENV, HOST_CACHE_ENV,
+    HOST_SPLITS_ENV)
+"""Every variable the package reads (README, "Environment variables"); `check_environment`
+warns about any other `MEGATRON_OVERLAP_*` name it finds set."""
+
+_warned_unknown: set = set()
+
+
+def unknown_variables(environ=None) -> list:
+    """The set `MEGATRON_OVERLAP_*` names that are not `ENVIRONMENT_VARIABLES`, sorted, each
+    as (name, closest known name or None) (`difflib.get_close_matches` on the names without
+    the prefix, cutoff 0.6).
+    `environ`: a mapping (default `os.environ`)."""
+    import difflib
+    import os
+
+    env = os.environ if environ is None else environ
+    out = []
+    for name in sorted(k for k in env if k.startswith(ENV_PREFIX)):
+        if name not in ENVIRONMENT_VARIABLES:
+            n = len(ENV_PREFIX)  # compared without the shared prefix
+            close = difflib.get_close_matches(name[n:], [v[n:] for v in ENVIRONMENT_VARIABLES],
+                                              n=1, cutoff=0.6)
+            out.append((name, ENV_PREFIX + close[0] if close else None))
+    return out
+
+
 def check_environment() -> None:
     """Check every `MEGATRON_OVERLAP_*` variable of the fused path now, so that a typo fails
     where the user can act on it (the dispatcher's construction, a launcher's argument
@@ -78,16 +110,28 @@ def check_environment() -> None:
     `MEGATRON_OVERLAP_FAST_LAUNCH`,
     `MEGATRON_OVERLAP_HW_PROFILE`, `MEGATRON_OVERLAP_SOLVER`, `MEGATRON_OVERLAP_FC1_CHUNK_MB`,
     `MEGATRON_OVERLAP_HOST_TABLES`, `MEGATRON_OVERLAP_HOST_CACHE`,
-    `MEGATRON_OVERLAP_HOST_SPLITS`.
+    `MEGATRON_OVERLAP_HOST_SPLITS`. A set `MEGATRON_OVERLAP_*` name that is none of these
+    (a misspelling, e.g. `TMASTORE` for `TMA_STORE`) gets one `UserWarning` per process that
+    names it and the closest known variable (`unknown_variables`); the package never reads
+    it.
 
     Raises:
         ValueError: a bad value (the message names the variable and what it accepts).
         ImportError: `MEGATRON_OVERLAP_SOLVER=cpp` without the built C++ solver.
     """
+    import warnings
+
     from megatron_overlap.kernels.launch import fast_launch_enabled
     from megatron_overlap.resource.profile import load_profile
     from megatron_overlap.resource.solver import implementation
 
+    for name, close in unknown_variables():
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            hint = f"did you mean {close}? " if close else ""
+            warnings.warn(f"${name} is set but is not a variable of megatron_overlap (ignored); "
+                          f"{hint}the package reads {', '.join(ENVIRONMENT_VARIABLES)}",
+                          UserWarning, stacklevel=2)
     tile_list_source()
     host_tables_mode()
     host_cache_enabled()

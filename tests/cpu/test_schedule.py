@@ -306,6 +306,44 @@ def test_host_path_variables(monkeypatch, name, value, expected):
     config.check_environment()
 
 
+def test_unknown_variables_warn_once_with_the_closest_name(monkeypatch):
+    """A set `MEGATRON_OVERLAP_*` name the package does not read (a misspelling) gets one
+    UserWarning from `check_environment` naming it and the closest known variable; the ten
+    known ones warn nothing; every `MEGATRON_OVERLAP_*` literal in the package's source is a
+    known variable (a new variable must be added to `ENVIRONMENT_VARIABLES`)."""
+    import pathlib
+    import re
+    import warnings
+
+    from megatron_overlap import config
+
+    pkg = pathlib.Path(config.__file__).parent
+    used = {m for f in pkg.rglob("*.py")
+            for m in re.findall(r"MEGATRON_OVERLAP_[A-Z0-9_]+", f.read_text())}
+    assert used == set(config.ENVIRONMENT_VARIABLES), used ^ set(config.ENVIRONMENT_VARIABLES)
+    for name in list(__import__("os").environ):
+        if name.startswith(config.ENV_PREFIX):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(config, "_warned_unknown", set())
+    monkeypatch.setenv(config.TMA_STORE_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.check_environment()
+    monkeypatch.setenv("MEGATRON_OVERLAP_TMASTORE", "0")
+    monkeypatch.setenv("MEGATRON_OVERLAP_XYZ", "1")
+    assert config.unknown_variables() == [("MEGATRON_OVERLAP_TMASTORE", config.TMA_STORE_ENV),
+                                          ("MEGATRON_OVERLAP_XYZ", None)]
+    with pytest.warns(UserWarning) as got:
+        config.check_environment()
+    text = [str(w.message) for w in got if "not a variable of megatron_overlap" in str(w.message)]
+    assert len(text) == 2
+    assert "$MEGATRON_OVERLAP_TMASTORE" in text[0] and "did you mean MEGATRON_OVERLAP_TMA_STORE" in text[0]
+    assert "$MEGATRON_OVERLAP_XYZ" in text[1] and "did you mean" not in text[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.check_environment()  # once per process
+
+
 def test_workspace_spare_arrivals():
     """`spare_arrivals` / `take_arrivals`: the running totals swap between two arrays (no
     allocation per call); only the spare is taken; a resized totals array (as
