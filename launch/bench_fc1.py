@@ -113,6 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="results/bench_fc1.jsonl",
                    help="JSONL file rows are appended to ('' = none)")
     args = p.parse_args(argv)
+    args.model, args.tokens = list(dict.fromkeys(args.model)), list(dict.fromkeys(args.tokens))
     try:
         check_launch_inputs(args.out, create=False)  # its folder: made below
         shapes = [load_model_shape(m) for m in args.model]

@@ -416,7 +416,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     defaults = CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS
     return RunConfig(
         models=tuple(dict.fromkeys(args.model or defaults["models"])),  # each once
-        seq_lengths=tuple(args.seq_lengths or defaults["seq_lengths"]),
+        seq_lengths=tuple(dict.fromkeys(args.seq_lengths or defaults["seq_lengths"])),
         layouts=tuple(dict.fromkeys(layouts)),
         baselines=tuple(v for v in VARIANTS if v == "off" or v in args.baselines),
         backend=args.backend,

@@ -497,6 +497,8 @@ def main() -> int:
     parser.add_argument("--stack-dump-s", type=positive_float, default=300.0,
                         help="print every thread's stack each this many seconds (stuck runs)")
     args = parser.parse_args()
+    for name in ("models", "tokens", "layouts", "variants"):  # each once, in order
+        setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     try:  # what needs no GPU is checked before the process group starts
         for model in args.models:
             load_model_shape(model)

@@ -291,6 +291,8 @@ def main(argv=None) -> int:
                         help="SMs for --dry-run (default: the profile's)")
     parser.add_argument("--profile", default=None, help="hardware profile for --dry-run")
     args = parser.parse_args(argv)
+    args.models = list(dict.fromkeys(args.models))  # each once, in order
+    args.tokens = list(dict.fromkeys(args.tokens)) if args.tokens else args.tokens
     if args.k_step < 0 or args.iters < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--k-step >= 0, --iters >= 1, --warmup >= 0, --world >= 1 expected")
     if not args.dry_run:

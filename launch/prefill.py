@@ -416,11 +416,11 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
             raise ValueError(f"--trace-dir {args.trace_dir!r} is also --out: give the traces "
                              "a folder of their own")
     return RunConfig(
-        models=tuple(args.model or [defaults["model"]]),
+        models=tuple(dict.fromkeys(args.model or [defaults["model"]])),  # each once
         num_layers=args.num_layers,
         num_moe_layers=args.num_moe_layers,
         baselines=tuple(dict.fromkeys(["off", *args.baselines])),
-        seq_lengths=tuple(args.seq_lengths or defaults["seq_lengths"]),
+        seq_lengths=tuple(dict.fromkeys(args.seq_lengths or defaults["seq_lengths"])),
         micro_batch_size=args.micro_batch_size,
         tp=args.tp,
         ep=args.ep,

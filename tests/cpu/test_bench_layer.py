@@ -433,3 +433,12 @@ def test_alt_env_of_a_triton_only_variable_on_the_cpu_says_it_compares_the_same_
     mod.resolve_args(parser.parse_args(["--device", "cpu", "--alt-env",
                                         "MEGATRON_OVERLAP_FC1_CHUNK_MB=64"]), 1)
     assert "does not read it" not in capsys.readouterr().err  # the CPU layer reads that one
+
+
+def test_repeated_models_and_sequence_lengths_run_once_each():
+    """Each model and sequence length is timed once, in the order first given."""
+    mod = _module()
+    args = mod.build_parser().parse_args(
+        ["--model", "tiny", "tiny", "--seq-lengths", "64", "32", "64", "--device", "cpu"])
+    run = mod.resolve_args(args, 1)
+    assert run.models == ("tiny",) and run.seq_lengths == (64, 32)

@@ -376,3 +376,13 @@ def test_bias_activation_fusion_reaches_every_variants_config():
         for flag in (False, True):
             config = module.build_config(shape, run, flag=flag, dtype="fp32", initialize=False)
             assert config.bias_activation_fusion is fused, (argv, flag)
+
+
+def test_repeated_models_and_sequence_lengths_run_once_each():
+    """`--model tiny tiny --seq-lengths 64 32 64` times each model and length once, in the
+    order first given (as the layouts are), instead of appending duplicate rows."""
+    module = _prefill_module()
+    args = module.build_parser().parse_args(
+        ["--model", "tiny", "tiny", "--seq-lengths", "64", "32", "64", "--device", "cpu"])
+    run = module.resolve_args(args, world_size=1)
+    assert run.models == ("tiny",) and run.seq_lengths == (64, 32)
