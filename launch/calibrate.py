@@ -41,7 +41,10 @@ where torch reports them, else from the --base profile. With one rank the link v
 copied from --base (said in the output), and so is prereduce_host_us always (a host cost:
 launch/bench_op.py's ours_prereduced_host - ours_host). --dry-run measures nothing: it
 feeds the fits with values generated from --base's own model, so that the fitting and
-writing path runs on CPU.
+writing path runs on CPU. --name and --base default to the GPU's shipped profile
+(`resource.profile.DEVICE_PROFILES`: h100 on an SXM H100, h200 on an H200); on any other GPU
+both must be given (exit 2 otherwise); with --dry-run --base defaults to h200 and --name to
+the base's name.
 """
 
 from __future__ import annotations
@@ -72,9 +75,12 @@ from megatron_overlap.bench.cli import (  # noqa: E402
 )
 from megatron_overlap.resource import DEFAULT_TILE  # noqa: E402
 from megatron_overlap.resource.profile import (  # noqa: E402
+    DEFAULT_PROFILE,
+    DEVICE_PROFILES,
     GpuLimits,
     HardwareProfile,
     TileTime,
+    device_profile_name,
     load_profile,
     save_profile,
 )
@@ -554,11 +560,15 @@ def measure_local(args, device, timed) -> Tuple[float, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--name", default="h200", help="profile name written into the YAML")
+    parser.add_argument("--name", default=None,
+                        help="profile name written into the YAML (default: the GPU's shipped "
+                             "profile's, h100 / h200 (resource.profile.DEVICE_PROFILES); "
+                             "--dry-run: the base's)")
     parser.add_argument("--out", required=True, help="YAML file to write")
-    parser.add_argument("--base", default="h200",
+    parser.add_argument("--base", default=None,
                         help="profile (name or YAML) for limits torch does not report, and the "
-                             "link values with one rank / in --dry-run")
+                             "link values with one rank / in --dry-run (default: the GPU's "
+                             f"shipped profile; --dry-run: {DEFAULT_PROFILE})")
     parser.add_argument("--ffn", nargs="+", type=positive_int, default=list(DEFAULT_FFN),
                         help="GEMM depths F of the tile-time sweep (>= 2 distinct K-step counts)")
     parser.add_argument("--hidden", type=positive_int, default=4096,
@@ -609,10 +619,10 @@ def main(argv=None) -> int:
         extra_tiles = candidate_tiles(args.tiles)
     except ValueError as err:
         parser.error(f"--tiles: {err}")
-    if not args.name.strip():
+    if args.name is not None and not args.name.strip():
         parser.error(f"--name {args.name!r}: expected a non-empty profile name")
     try:
-        base = load_profile(args.base)
+        base = load_profile(args.base or DEFAULT_PROFILE)  # checked now; on a GPU see below
         check_launch_inputs(args.out)
     except (ValueError, ImportError) as err:
         parser.error(str(err))
@@ -625,7 +635,7 @@ def main(argv=None) -> int:
         tail_rows = synthetic_tails(base, args.tail_ffn, num_sms, args.hidden, args.tma_store,
                                     extra_tiles)
         profile = build_profile(
-            args.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
+            args.name or base.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
             base.launch_overhead_us, base.store_latency_us,
             source=f"launch/calibrate.py --dry-run {stamp}: generated from {base.name}, "
                    "nothing measured", link_from_base=False, tail_rows=tail_rows)
@@ -644,6 +654,18 @@ def main(argv=None) -> int:
     device = init_cuda_group(__file__, "; --dry-run runs on a CPU")
     if device is None:
         return 2
+    gpu_name = torch.cuda.get_device_name(device)
+    shipped = device_profile_name(gpu_name)
+    if shipped is None and (args.name is None or args.base is None):
+        print(f"calibrate.py: GPU {gpu_name!r} has no shipped profile (resource.profile."
+              f"DEVICE_PROFILES: {', '.join(n for _, n in DEVICE_PROFILES)}): give --name "
+              "(what to call this GPU's profile) and --base (a profile for the limits torch "
+              "does not report, e.g. h100)", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    name = args.name or shipped
+    if args.base is None:
+        base = load_profile(shipped)
     props = torch.cuda.get_device_properties(device)
     gpu = gpu_limits(base.gpu, props)
     from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
@@ -664,7 +686,7 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         source = (f"launch/calibrate.py on {world}x {torch.cuda.get_device_name(device)}, "
                   f"{stamp}, git {bench_op.git_sha()[:12]}, torch {torch.__version__}")
-        profile = build_profile(args.name, base, gpu, tile_rows, store_rows, hbm_gbps,
+        profile = build_profile(name, base, gpu, tile_rows, store_rows, hbm_gbps,
                                 launch_us, latency_us, source, link_from_base=world == 1,
                                 tail_rows=tail_rows)
         header = (f"Calibrated: {source}.\n"

@@ -74,6 +74,16 @@ def test_calibrate_dry_run_writes_a_loadable_profile(tmp_path):
     assert len(prof.extra["peer_store_sweep"]) == len(calibrate.DEFAULT_CTAS)
 
 
+def test_calibrate_dry_run_names_the_profile_after_its_base(tmp_path):
+    """Without --name the dry run's profile takes its base's name (h200 by default, h100
+    with --base h100), never a name that is not the base's; --name wins."""
+    for argv, name in (([], "h200"), (["--base", "h100"], "h100"),
+                       (["--base", "h100", "--name", "mine"], "mine")):
+        out = tmp_path / f"{name}.yaml"
+        assert calibrate.main(["--dry-run", "--out", str(out), *argv]) == 0
+        assert load_profile(out).name == name, argv
+
+
 def test_calibrate_dry_run_tma_store_writes_both_epilogues(tmp_path):
     out = tmp_path / "h200.yaml"
     assert calibrate.main(["--dry-run", "--tma-store", "--out", str(out)]) == 0
