@@ -302,6 +302,11 @@ def main(argv=None) -> int:
         if given:
             parser.error(f"{', '.join(given)}: only with --dry-run (a GPU run uses its world "
                          "size, SM count and the calibrated profile)")
+    from megatron_overlap.resource.model import MAX_CTAS
+
+    if args.num_sms is not None and args.num_sms > MAX_CTAS:
+        parser.error(f"--num-sms {args.num_sms}: expected at most {MAX_CTAS} (the resource "
+                     "model's CTA bound, resource.model.MAX_CTAS)")
     if args.out is None:
         args.out = "results/oracle_dry_run.jsonl" if args.dry_run else "results/oracle.jsonl"
     try:  # names that need no GPU are checked before any work

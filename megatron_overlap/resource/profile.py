@@ -284,8 +284,12 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}")
     gpu = data["gpu"]
     if not isinstance(gpu, dict) or set(gpu) != set(_GPU_KEYS):
-        got = sorted(gpu) if isinstance(gpu, dict) else gpu
-        raise ValueError(f"{where}: gpu must have exactly the keys {list(_GPU_KEYS)}, got {got}")
+        if not isinstance(gpu, dict):
+            raise ValueError(f"{where}: gpu must be a mapping with the keys "
+                             f"{list(_GPU_KEYS)}, got {gpu!r}")
+        raise ValueError(f"{where}: gpu: missing keys {sorted(set(_GPU_KEYS) - set(gpu))}, "
+                         f"unknown keys {sorted(set(gpu) - set(_GPU_KEYS))} (expected exactly "
+                         f"{list(_GPU_KEYS)})")
     tiles = data["tile_times"]
     if not isinstance(tiles, list) or not all(isinstance(t, dict) for t in tiles):
         raise ValueError(f"{where}: tile_times must be a list of mappings, got {tiles!r}")
@@ -294,9 +298,11 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         for t in tiles:
             want = {"bm", "bn", "bk", "ctas_per_sm", "alpha_us", "beta_us"}
             if not want <= set(t) <= want | {"tma_store", "idle_wave_cost"}:
-                raise ValueError(f"tile_times entry {t}: expected exactly the keys "
-                                 f"{sorted(want)}, and optionally tma_store and "
-                                 "idle_wave_cost")
+                raise ValueError(f"tile_times entry {t}: missing keys {sorted(want - set(t))}, "
+                                 f"unknown keys "
+                                 f"{sorted(set(t) - want - {'tma_store', 'idle_wave_cost'})} "
+                                 f"(expected exactly the keys {sorted(want)}, and optionally "
+                                 "tma_store and idle_wave_cost)")
             tile_objs.append(TileTime(**t))
         rest = {k: data[k] for k in _KEYS[3:]}
         return HardwareProfile(name=data["name"], gpu=GpuLimits(**gpu),

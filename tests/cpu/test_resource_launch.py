@@ -213,6 +213,7 @@ def test_regret_summary_table_and_plot(tmp_path):
 @pytest.mark.parametrize("script,args,message", [
     ("oracle.py", ["--dry-run", "--tokens", "-5"], "--tokens: '-5': expected an integer >= 1"),
     ("oracle.py", ["--dry-run", "--num-sms", "0"], "--num-sms: '0': expected an integer >= 1"),
+    ("oracle.py", ["--dry-run", "--num-sms", "100000"], "--num-sms 100000: expected at most 65536"),
     ("oracle.py", ["--dry-run", "--world", "4", "--layouts", "tp2"],
      "--layouts: layout 'tp2': TP x EP = 2, but there are 4 ranks"),
     ("calibrate.py", ["--dry-run", "--ffn", "0", "--out", "x.yaml"], "--ffn: '0'"),

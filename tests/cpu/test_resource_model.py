@@ -391,6 +391,13 @@ def test_bad_profiles_name_the_key():
         profile_from_dict(dict(good, link_bandwidth_gbps=-1))
     with pytest.raises(ValueError, match="gpu.num_sms=0"):
         profile_from_dict(dict(good, gpu=dict(good["gpu"], num_sms=0)))
+    gpu = {k: v for k, v in good["gpu"].items() if k != "num_sms"}
+    with pytest.raises(ValueError, match="gpu: missing keys \\['num_sms'\\], unknown keys "
+                                         "\\['sms'\\]"):
+        profile_from_dict(dict(good, gpu=dict(gpu, sms=132)))
+    tile = {k: v for k, v in good["tile_times"][0].items() if k != "beta_us"}
+    with pytest.raises(ValueError, match="missing keys \\['beta_us'\\], unknown keys \\[\\]"):
+        profile_from_dict(dict(good, tile_times=[tile]))
     with pytest.raises(ValueError, match="unknown; expected one of"):
         load_profile("no-such-gpu")
 
