@@ -460,3 +460,24 @@ def test_breakdown_needs_usable_rows(tmp_path, capsys):
     prefill.write_text("\n".join(json.dumps(r) for r in _prefill_rows()) + "\n")
     assert mr.main([str(prefill), "--breakdown", str(extra), "--out", out, "--no-plots"]) == 0
     assert "## Where the host time goes (MoE layer)" in (tmp_path / "r.md").read_text()
+
+
+def test_the_committed_report_is_what_its_command_writes(tmp_path):
+    """docs/report.md regenerated from its committed rows by the command README.md gives
+    is the committed file (up to the --out path the report quotes): a change of
+    make_report's output that was not followed by a regeneration fails here."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    command = re.search(r"python -m megatron_overlap\.bench\.make_report (.*?)--out docs/report\.md",
+                        readme, re.S)
+    assert command, "README.md has no make_report command writing docs/report.md"
+    args = command.group(1).replace("\\\n", " ").split()
+    out = tmp_path / "report.md"
+    assert mr.main([str(root / a) if a.startswith("docs/") else a for a in args]
+                   + ["--out", str(out)]) == 0
+    ours = out.read_text().replace(str(tmp_path / "report.md"), "docs/report.md")
+    ours = ours.replace(str(root) + "/", "")
+    assert ours == (root / "docs/report.md").read_text()
