@@ -3,8 +3,8 @@
 #
 # torch is pinned to the CPU build first: an unpinned torch pulls a multi-GB CUDA build.
 # megatron-core 0.19.2 declares Requires-Python >= 3.12; megatron.core itself works on 3.11,
-# so it is installed from its sdist with --ignore-requires-python (its runtime deps are torch,
-# numpy, packaging, all installed here).
+# so it is installed with --ignore-requires-python (from PyPI: its cp312 wheel on 3.12, its
+# sdist elsewhere; its runtime deps are torch, numpy, packaging, all installed here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
