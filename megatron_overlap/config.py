@@ -428,6 +428,13 @@ class GatherRSOptions:
                     f"moe_gatherrs_num_comm_ctas={self.num_comm_ctas} must be >= 1 (or None for "
                     "the resource manager's choice)"
                 )
+            from megatron_overlap.resource.model import MAX_CTAS
+
+            if self.num_comm_ctas > MAX_CTAS:
+                raise ValueError(
+                    f"moe_gatherrs_num_comm_ctas={self.num_comm_ctas} must be <= {MAX_CTAS} "
+                    "(the resource model's CTA bound; each launch also checks it against the "
+                    "GPU's SM count)")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real):
             raise TypeError(f"moe_gatherrs_timeout_s={self.timeout_s!r} must be a number")
         low, high = TIMEOUT_RANGE_S

@@ -286,6 +286,8 @@ def test_unsupported_configs_raise():
         replace(base, moe_gatherrs_backend="cuda")
     with pytest.raises(ValueError, match="moe_gatherrs_num_comm_ctas"):
         replace(base, moe_gatherrs_num_comm_ctas=0)
+    with pytest.raises(ValueError, match="moe_gatherrs_num_comm_ctas=1000000000 must be <= 65536"):
+        replace(base, moe_gatherrs_num_comm_ctas=10**9)
     with pytest.raises(ValueError, match="moe_gatherrs_timeout_s"):
         replace(base, moe_gatherrs_timeout_s=0)
     with pytest.raises(ValueError, match="moe_gatherrs_timeout_s"):
