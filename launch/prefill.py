@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="names in configs/models or YAML paths, run one after another in one process "
-        "(default: tiny on CPU, mixtral-8x7b on GPU)",
+        "(default: tiny on CPU, mixtral-8x7b on GPU); a model given twice runs twice, with "
+        "the same seed (a repeatability check); a repeated --seq-lengths value runs once",
     )
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument(
@@ -416,7 +417,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> RunConfig:
             raise ValueError(f"--trace-dir {args.trace_dir!r} is also --out: give the traces "
                              "a folder of their own")
     return RunConfig(
-        models=tuple(dict.fromkeys(args.model or [defaults["model"]])),  # each once
+        models=tuple(args.model or [defaults["model"]]),  # a repeat runs again (same seed)
         num_layers=args.num_layers,
         num_moe_layers=args.num_moe_layers,
         baselines=tuple(dict.fromkeys(["off", *args.baselines])),

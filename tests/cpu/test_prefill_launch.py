@@ -378,11 +378,12 @@ def test_bias_activation_fusion_reaches_every_variants_config():
             assert config.bias_activation_fusion is fused, (argv, flag)
 
 
-def test_repeated_models_and_sequence_lengths_run_once_each():
-    """`--model tiny tiny --seq-lengths 64 32 64` times each model and length once, in the
-    order first given (as the layouts are), instead of appending duplicate rows."""
+def test_repeated_sequence_lengths_run_once_and_repeated_models_twice():
+    """`--model tiny tiny --seq-lengths 64 32 64` times each length once, in the order first
+    given (as the layouts are); a repeated model runs again (same seed: the repeatability
+    check of `test_prefill_several_models_and_grouped_baseline`)."""
     module = _prefill_module()
     args = module.build_parser().parse_args(
         ["--model", "tiny", "tiny", "--seq-lengths", "64", "32", "64", "--device", "cpu"])
     run = module.resolve_args(args, world_size=1)
-    assert run.models == ("tiny",) and run.seq_lengths == (64, 32)
+    assert run.models == ("tiny", "tiny") and run.seq_lengths == (64, 32)
