@@ -71,20 +71,25 @@ SOLVER_ENV = "MEGATRON_OVERLAP_SOLVER"
 
 
 ENV_PREFIX = "MEGATRON_OVERLAP_"
-"""Prefix of the fused path's environment variables (`ENVIRONMENT_VARIABLES`)."""
-
-ENVIRONMENT_VARIABLES = (
-    TILE_LIST_ENV, TMA_STORE_ENV, TILE_CHOICE_ENV, "MEGATRON_OVERLAP_FAST_LAUNCH",
-    "MEGATRON_OVERLAP_HW_PROFILE", SOLVER_ENV, FC1_CHUNK_ENV, HOST_TABLES_ENV, HOST_CACHE_ENV,
-    HOST_SPLITS_ENV)
-"""Every variable the package reads (README, "Environment variables"); `check_environment`
-warns about any other `MEGATRON_OVERLAP_*` name it finds set."""
+"""Prefix of the fused path's environment variables (`environment_variables`)."""
 
 _warned_unknown: set = set()
 
 
+def environment_variables() -> tuple:
+    """Every variable the package reads, as their modules name them (README, "Turning the
+    flag on"); `check_environment` warns about any other `MEGATRON_OVERLAP_*` name it finds
+    set. (A function: `kernels.launch` and `resource.profile` own two of the names and
+    cannot be imported when this module loads.)"""
+    from megatron_overlap.kernels.launch import FAST_LAUNCH_ENV
+    from megatron_overlap.resource.profile import PROFILE_ENV
+
+    return (TILE_LIST_ENV, TMA_STORE_ENV, TILE_CHOICE_ENV, FAST_LAUNCH_ENV, PROFILE_ENV,
+            SOLVER_ENV, FC1_CHUNK_ENV, HOST_TABLES_ENV, HOST_CACHE_ENV, HOST_SPLITS_ENV)
+
+
 def unknown_variables(environ=None) -> list:
-    """The set `MEGATRON_OVERLAP_*` names that are not `ENVIRONMENT_VARIABLES`, sorted, each
+    """The set `MEGATRON_OVERLAP_*` names that are not `environment_variables()`, sorted, each
     as (name, closest known name or None) (`difflib.get_close_matches` on the names without
     the prefix, cutoff 0.6).
     `environ`: a mapping (default `os.environ`)."""
@@ -92,12 +97,13 @@ def unknown_variables(environ=None) -> list:
     import os
 
     env = os.environ if environ is None else environ
+    known = environment_variables()
+    n = len(ENV_PREFIX)  # compared without the shared prefix
     out = []
     for name in sorted(k for k in env if k.startswith(ENV_PREFIX)):
-        if name not in ENVIRONMENT_VARIABLES:
-            n = len(ENV_PREFIX)  # compared without the shared prefix
-            close = difflib.get_close_matches(name[n:], [v[n:] for v in ENVIRONMENT_VARIABLES],
-                                              n=1, cutoff=0.6)
+        if name not in known:
+            close = difflib.get_close_matches(name[n:], [v[n:] for v in known], n=1,
+                                              cutoff=0.6)
             out.append((name, ENV_PREFIX + close[0] if close else None))
     return out
 
@@ -130,7 +136,7 @@ def check_environment() -> None:
             _warned_unknown.add(name)
             hint = f"did you mean {close}? " if close else ""
             warnings.warn(f"${name} is set but is not a variable of megatron_overlap (ignored); "
-                          f"{hint}the package reads {', '.join(ENVIRONMENT_VARIABLES)}",
+                          f"{hint}the package reads {', '.join(environment_variables())}",
                           UserWarning, stacklevel=2)
     tile_list_source()
     host_tables_mode()
