@@ -7,7 +7,7 @@
 What it measures (CUDA events, median of --iters runs after --warmup; rank 0's values are
 written, every rank measures alike at the same time, as in the fused op):
   tile time  the fused kernel's GEMM2 tiles alone (`_Call.gemm_only` on the plan's grid G,
-             world-1 metadata, H = --hidden, top-2; --sweep whole-waves, the default
+             world-1 metadata, H = each --hidden, top-2; --sweep whole-waves, the default
              since v6.2: a balanced routing map whose experts and rows fill 16 whole
              waves of every tile below, so time / waves is each tile's per-wave time;
              --sweep uniform: 8 experts, --tokens tokens of uniform routing) for every
@@ -21,7 +21,10 @@ written, every rank measures alike at the same time, as in the fused op):
              of --tiles (default: all of `ops.triton_gemm2_gatherrs.TILE_CANDIDATES`,
              the tiles the resource manager may choose per call), one entry each (the
              base's entries of other shapes are not copied: a candidate the run did
-             not measure is not offered);
+             not measure is not offered); one set of entries per --hidden, each with
+             its `hidden` (since v6.5; the resource manager takes the entry nearest a
+             call's H: on one H100 the tiles' ratio moved 4 % between H = 2048 and
+             4096, docs/perf_notes.md v6.5);
   last wave  for each swept tile and each F in --tail-ffn (since v6.3), the GEMM2 at two
              whole wave counts N0, N1 and at N0 waves plus a last wave ~1/4, 1/2, 3/4 full
              (`bench.workloads.tail_sweep`: top-1 routing on 8 experts), timed
@@ -29,7 +32,8 @@ written, every rank measures alike at the same time, as in the fused op):
              part-filled point's time over t(N0) is fill + eta x (1 - fill) waves; the
              least-squares eta over every F, clipped to [0, 1], is the tile's
              `idle_wave_cost` (1: whole waves; the resource model prices a part-filled
-             last wave with it);
+             last wave with it), at the first --hidden only, given to the tile's
+             entries at every --hidden;
   peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
              --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
              largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
@@ -209,37 +213,48 @@ def _row_key(row: dict) -> Tuple[int, int, int, bool]:
     return (bm, bn, bk, bool(row.get("tma_store", False)))
 
 
+def _entry_key(row: dict):
+    """(bm, bn, bk, tma_store, hidden) of a tile-sweep row: one tile_times entry each
+    (hidden None: a row written before v6.5, whose H was not recorded)."""
+    return _row_key(row) + (row.get("hidden"),)
+
+
 def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: List[dict],
                   store_rows: List[dict], hbm_gbps: float, launch_us: float,
                   latency_us: float, source: str, link_from_base: bool,
                   tail_rows: Sequence[dict] = ()) -> HardwareProfile:
     """The profile from the measured rows (`tile_rows`: bm, bn, bk (absent: `DEFAULT_TILE`),
-    ksteps, tau_us, ctas_per_sm and tma_store (absent: False), one tile_times entry fitted
-    per tile shape and epilogue, the default tile's first; `store_rows`: ctas, gbps;
-    `tail_rows`: the last-wave sweep (`measure_tails`), each entry's `idle_wave_cost`
-    fitted from its own rows (`fit_idle_wave_cost`), 1.0 (whole waves) for an entry
-    without any, which `extra.idle_wave_cost_measured` lists as false)."""
+    ksteps, tau_us, ctas_per_sm, tma_store (absent: False) and hidden (absent: None), one
+    tile_times entry fitted per tile shape, epilogue and H, the default tile's first, each
+    shape's entries by H; `store_rows`: ctas, gbps; `tail_rows`: the last-wave sweep
+    (`measure_tails`), each shape and epilogue's `idle_wave_cost` fitted from its own rows
+    (`fit_idle_wave_cost`, whatever their H) and given to its entries at every H, 1.0
+    (whole waves) for one without any, which `extra.idle_wave_cost_measured` lists as
+    false)."""
     bm, bn, bk = DEFAULT_TILE
     entries = []
     measured_idle: Dict[str, bool] = {}
-    keys = sorted({_row_key(r) for r in tile_rows},
-                  key=lambda k: (k[:3] != DEFAULT_TILE, k))  # the default tile first
+    keys = sorted({_entry_key(r) for r in tile_rows},  # the default tile first, then by H
+                  key=lambda k: (k[:3] != DEFAULT_TILE, k[:3], k[3], k[4] or 0))
     for key in keys:
-        rows = [r for r in tile_rows if _row_key(r) == key]
+        rows = [r for r in tile_rows if _entry_key(r) == key]
         alpha, beta = fit_tile_time([r["ksteps"] for r in rows], [r["tau_us"] for r in rows])
-        tails = [r for r in tail_rows if _row_key(r) == key]
+        tails = [r for r in tail_rows if _row_key(r) == key[:4]]
         idle = fit_idle_wave_cost(tails) if tails else 1.0
         measured_idle[f"{key[0]}x{key[1]}x{key[2]}{'tma' if key[3] else ''}"] = bool(tails)
         entries.append(TileTime(bm=key[0], bn=key[1], bk=key[2],
                                 ctas_per_sm=rows[0]["ctas_per_sm"],
                                 alpha_us=round(alpha, 4), beta_us=round(beta, 5),
-                                tma_store=key[3], idle_wave_cost=idle))
-    # A TMA-store time not measured here (no --tma-store): the base's, where it has one, so
-    # that a re-calibration without the flag does not drop it (`tma_store_copied_from_base`).
+                                tma_store=key[3], idle_wave_cost=idle, hidden=key[4]))
+    # A TMA-store time not measured here (no --tma-store): the base's, where it has one (at
+    # every H it has one for), so that a re-calibration without the flag does not drop it
+    # (`tma_store_copied_from_base`).
     copied_tma = not any(t.tma_store and t.shape == (bm, bn, bk) for t in entries) and any(
         t.tma_store and t.shape == (bm, bn, bk) for t in base.tile_times)
     if copied_tma:
-        entries.insert(1, base.tile_time(bm, bn, bk, tma_store=True))
+        last_default = max(i for i, t in enumerate(entries) if t.shape == (bm, bn, bk))
+        entries[last_default + 1:last_default + 1] = [
+            t for t in base.tile_times if t.tma_store and t.shape == (bm, bn, bk)]
     # (The base's entries of other shapes are never copied: the tile choice compares them
     # with this run's default-tile time, so one from another run or GPU would decide it.)
     if link_from_base:
@@ -262,14 +277,15 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
                "prereduce_host_us_copied_from_base": base.name})
 
 
-def _synthetic_tile_time(base: HardwareProfile, shape, tma: bool) -> TileTime:
-    """--dry-run's tile time of `shape`: the base's entry for it (its register-store one
-    where it has no TMA-store entry, without the warning: the caller says so), else the
-    default tile's register-store entry."""
+def _synthetic_tile_time(base: HardwareProfile, shape, tma: bool, hidden=None) -> TileTime:
+    """--dry-run's tile time of `shape` at H = `hidden` (None: the first entry): the base's
+    entry for it (its register-store one where it has no TMA-store entry, without the
+    warning: the caller says so), else the default tile's register-store entry."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return (base.tile_time(*shape, tma_store=tma) if base.has_tile_time(*shape)
-                else base.tile_time(*DEFAULT_TILE))
+        return (base.tile_time(*shape, tma_store=tma, hidden=hidden)
+                if base.has_tile_time(*shape)
+                else base.tile_time(*DEFAULT_TILE, hidden=hidden))
 
 
 def _with_placeholder_times(base: HardwareProfile, shape, tma_store: bool) -> HardwareProfile:
@@ -311,11 +327,12 @@ def synthetic_tails(base: HardwareProfile, tail_ffns, num_sms: int, hidden: int,
 
 
 def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
-                           tma_store: bool = False, tiles=()):
+                           tma_store: bool = False, tiles=(), hidden=None):
     """--dry-run: the rows a GPU run would produce if the base profile were exact (with
     `tma_store`, also the TMA-store sweep, from the base's TMA-store entry, else from its
     register-store one; each of `tiles` (TileConfigs) from the base's entry for it, else
-    from the default tile's register-store entry)."""
+    from the default tile's register-store entry; `hidden`: the rows' H, the base's entry
+    nearest it; None: rows without H, as before v6.5)."""
     tile_rows = []
     from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
     from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
@@ -324,13 +341,14 @@ def synthetic_measurements(base: HardwareProfile, ffns, ctas, num_sms: int,
     sweeps += [(t, t.tma_store) for t in tiles]
     for config, tma in sweeps:
         shape = (config.bm, config.bn, config.bk)
-        t = _synthetic_tile_time(base, shape, tma)
+        t = _synthetic_tile_time(base, shape, tma, hidden)
         for f in ffns:
             ksteps = -(-f // shape[2])
             tile_rows.append(dict(tile=config.name, bm=shape[0], bn=shape[1], bk=shape[2],
                                   ffn=f, ksteps=ksteps,
                                   ctas_per_sm=t.ctas_per_sm,
-                                  tau_us=t.alpha_us + t.beta_us * ksteps, tma_store=tma))
+                                  tau_us=t.alpha_us + t.beta_us * ksteps, tma_store=tma,
+                                  **({} if hidden is None else {"hidden": hidden})))
     store_rows = [dict(ctas=k or num_sms, gbps=min((k or num_sms) * base.cta_bandwidth_gbps,
                                                    base.link_bandwidth_gbps)) for k in ctas]
     return tile_rows, store_rows
@@ -571,8 +589,10 @@ def main(argv=None) -> int:
                              f"shipped profile; --dry-run: {DEFAULT_PROFILE})")
     parser.add_argument("--ffn", nargs="+", type=positive_int, default=list(DEFAULT_FFN),
                         help="GEMM depths F of the tile-time sweep (>= 2 distinct K-step counts)")
-    parser.add_argument("--hidden", type=positive_int, default=4096,
-                        help="H of the tile-time sweep")
+    parser.add_argument("--hidden", nargs="+", type=positive_int, default=[4096],
+                        help="H of the tile-time sweep: one tile_times entry per tile and H "
+                             "(the resource manager takes the one nearest a call's H; the "
+                             "last-wave sweep runs at the first)")
     parser.add_argument("--sweep", choices=("whole-waves", "uniform"), default="whole-waves",
                         help="routing of the tile-time sweep: whole-waves (a balanced map "
                              "whose rows fill whole waves of every swept tile) or uniform "
@@ -607,10 +627,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
-    if args.tma_store and args.hidden * 2 % 16:
-        parser.error(f"--tma-store --hidden {args.hidden}: the TMA-store epilogue needs rows "
-                     "of a multiple of 16 bytes (H a multiple of 8 in bf16); at this H the "
-                     "kernel stores from registers")
+    args.hidden = list(dict.fromkeys(args.hidden))  # each once, in order
+    for hidden in args.hidden:
+        if args.tma_store and hidden * 2 % 16:
+            parser.error(f"--tma-store --hidden {hidden}: the TMA-store epilogue needs rows "
+                         "of a multiple of 16 bytes (H a multiple of 8 in bf16); at this H "
+                         "the kernel stores from registers")
     ksteps = {-(-f // DEFAULT_TILE[2]) for f in args.ffn}
     if len(ksteps) < 2:
         parser.error(f"--ffn {' '.join(map(str, args.ffn))}: the fit needs >= 2 distinct "
@@ -630,10 +652,14 @@ def main(argv=None) -> int:
 
     if args.dry_run:
         num_sms = base.gpu.num_sms
-        tile_rows, store_rows = synthetic_measurements(base, args.ffn, args.ctas, num_sms,
-                                                       args.tma_store, extra_tiles)
-        tail_rows = synthetic_tails(base, args.tail_ffn, num_sms, args.hidden, args.tma_store,
-                                    extra_tiles)
+        tile_rows = []
+        for hidden in args.hidden:
+            rows, store_rows = synthetic_measurements(base, args.ffn, args.ctas, num_sms,
+                                                      args.tma_store, extra_tiles,
+                                                      hidden=hidden)
+            tile_rows += rows
+        tail_rows = synthetic_tails(base, args.tail_ffn, num_sms, args.hidden[0],
+                                    args.tma_store, extra_tiles)
         profile = build_profile(
             args.name or base.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
             base.launch_overhead_us, base.store_latency_us,
@@ -674,10 +700,12 @@ def main(argv=None) -> int:
 
     swept = ([REGISTER_TILE] + ([DEFAULT_TMA_TILE] if args.tma_store else [])
              + list(extra_tiles))
-    tile_rows = measure_tiles(args, device, bench_op.timed_interleaved, base, swept)
-    tail_rows = (measure_tails(args, device, bench_op.timed_interleaved, base, swept)
-                 if args.tail_ffn else [])
-    hbm_gbps, launch_us = measure_local(args, device, bench_op.timed)
+    at = [argparse.Namespace(**dict(vars(args), hidden=h)) for h in args.hidden]  # one H each
+    tile_rows = [dict(r, hidden=a.hidden) for a in at
+                 for r in measure_tiles(a, device, bench_op.timed_interleaved, base, swept)]
+    tail_rows = ([dict(r, hidden=at[0].hidden) for r in measure_tails(
+        at[0], device, bench_op.timed_interleaved, base, swept)] if args.tail_ffn else [])
+    hbm_gbps, launch_us = measure_local(at[0], device, bench_op.timed)
     world = dist.get_world_size()
     if world > 1:
         store_rows, latency_us = measure_link(args, device, bench_op.timed, gpu.num_sms)
@@ -711,9 +739,10 @@ def main(argv=None) -> int:
 
 
 def _print(p: HardwareProfile) -> None:
-    fits = {t.key: t for t in p.tile_times}
+    fits = {t.key + (t.hidden,): t for t in p.tile_times}
     for t in p.tile_times:
-        print(f"tile {t.bm}x{t.bn}x{t.bk}, {'TMA' if t.tma_store else 'register'} stores: "
+        print(f"tile {t.bm}x{t.bn}x{t.bk}, {'TMA' if t.tma_store else 'register'} stores"
+              f"{'' if t.hidden is None else f', H {t.hidden}'}: "
               f"tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) us at "
               f"{t.ctas_per_sm} CTA/SM, idle_wave_cost {t.idle_wave_cost:.3f}")
     print(f"B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
@@ -722,8 +751,9 @@ def _print(p: HardwareProfile) -> None:
           f"pre-reduced host term {p.prereduce_host_us:.1f} us (from the base profile)")
     extra: Dict = p.extra
     for r in extra.get("tile_sweep", []):
-        t = fits.get(_row_key(r), p.tile_times[0])
-        print(f"  {t.bm}x{t.bn}x{t.bk} F={r['ffn']:>6} ksteps={r['ksteps']:>4}"
+        t = fits.get(_entry_key(r), p.tile_times[0])
+        at_h = "" if r.get("hidden") is None else f" H={r['hidden']}"
+        print(f"  {t.bm}x{t.bn}x{t.bk}{at_h} F={r['ffn']:>6} ksteps={r['ksteps']:>4}"
               f"{' TMA' if r.get('tma_store') else ''} tau={r['tau_us']:.2f} us"
               + (f" (fit {t.alpha_us + t.beta_us * r['ksteps']:.2f})" if not math.isnan(
                   r["tau_us"]) else ""))

@@ -317,7 +317,7 @@ def plan_gemm2_gatherrs(
             or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile)):
         raise ValueError(f"tile={tile!r}: expected (BM, BN, BK), three ints >= 1")
     bm, bn, bk = tile
-    tile_time = prof.tile_time(bm, bn, bk, tma_store)
+    tile_time = prof.tile_time(bm, bn, bk, tma_store, hidden=hidden)
     local_chunk = meta.tp_rank * meta.ep_size + meta.ep_rank  # chunk order c = tp * EP + ep
     # The mode model's inputs, only those every rank has alike: the group-wide counts, the
     # shapes, the profile and the SM count (the group's GPUs are alike), and the profile's
@@ -422,7 +422,7 @@ def group_time_us(meta: GatherRSMetadata, plan: Plan, *, num_sms: int, hidden: i
         if meta.routed_counts is None or not meta.topk:
             return None
         prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-        tile_time = prof.tile_time(tile[0], tile[1], tile[2], tma_store)
+        tile_time = prof.tile_time(tile[0], tile[1], tile[2], tma_store, hidden=hidden)
         mc = choose_mode(meta.routed_counts, tp_size=meta.tp_size, ep_size=meta.ep_size,
                          topk=meta.topk, hidden=hidden, elem_bytes=elem_bytes,
                          grid=num_sms * tile_time.ctas_per_sm,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import sys
 import warnings
@@ -114,7 +115,14 @@ class TileTime:
     model (ceil(n) x tau, every profile before v6.3), 0 a fluid one. `launch/calibrate.py`
     measures it (`--tail-ffn`, at ~8 waves); on one H100 docs/perf_notes.md v6.3 found
     0.89-1.00 for every tile there (v6.2: ~0.1 for the default TMA-store tile after 31
-    waves, where the CTAs have drifted apart)."""
+    waves, where the CTAs have drifted apart).
+
+    `hidden` (H, elements; YAML key optional, default None): the output width H the entry
+    was measured at (`launch/calibrate.py --hidden`, since v6.5 written on every entry).
+    A profile may hold one entry per H for a shape and epilogue; `HardwareProfile.tile_time`
+    gives a call the entry whose H is nearest its own (on one H100 the wide tile's
+    advantage over the default tile at F = 1408 was 4 % at H = 4096 and none at H = 2048,
+    docs/perf_notes.md v6.5). None: H not recorded, the entry serves every H."""
 
     bm: int
     bn: int
@@ -124,12 +132,15 @@ class TileTime:
     beta_us: float
     tma_store: bool = False
     idle_wave_cost: float = 1.0
+    hidden: Optional[int] = None
 
     def __post_init__(self) -> None:
         for key in ("bm", "bn", "bk", "ctas_per_sm"):
             _check_int(f"tile_times.{key}", getattr(self, key), 1)
         if not isinstance(self.tma_store, bool):
             raise ValueError(f"tile_times.tma_store={self.tma_store!r}: expected true or false")
+        if self.hidden is not None:
+            _check_int("tile_times.hidden", self.hidden, 1)
         _check_float("tile_times.alpha_us", self.alpha_us, positive=False)
         _check_float("tile_times.beta_us", self.beta_us, positive=False)
         _check_float("tile_times.idle_wave_cost", self.idle_wave_cost, positive=False)
@@ -151,8 +162,18 @@ class TileTime:
 
     @property
     def key(self) -> Tuple[int, int, int, bool]:
-        """(bm, bn, bk, tma_store): what `HardwareProfile.tile_time` looks an entry up by."""
+        """(bm, bn, bk, tma_store): what `HardwareProfile.tile_time` looks an entry up by
+        (then by the nearest `hidden`)."""
         return (self.bm, self.bn, self.bk, self.tma_store)
+
+    def hidden_distance(self, hidden: Optional[int]) -> float:
+        """How far this entry's H is from a call's: |log2(self.hidden / hidden)|; 0 where
+        either is None (an entry without H serves every H; a lookup without H takes the
+        first entry), so `HardwareProfile.tile_time` prefers an entry measured at the
+        call's H, then the nearest by ratio."""
+        if hidden is None or self.hidden is None:
+            return 0.0 if hidden is None else math.inf
+        return abs(math.log2(self.hidden / hidden))
 
 
 @dataclass(frozen=True)
@@ -195,10 +216,11 @@ class HardwareProfile:
             raise ValueError(f"provisional={self.provisional!r}: expected true or false")
         if not self.tile_times:
             raise ValueError("tile_times: expected at least one tile shape")
-        keys = [t.key for t in self.tile_times]
+        keys = [t.key + (t.hidden,) for t in self.tile_times]
         if len(set(keys)) != len(keys):
             raise ValueError("tile_times: a tile shape appears twice with the same tma_store "
-                             f"in {[(t.shape, t.tma_store) for t in self.tile_times]}")
+                             "and hidden in "
+                             f"{[(t.shape, t.tma_store, t.hidden) for t in self.tile_times]}")
         register_shapes = {t.shape for t in self.tile_times if not t.tma_store}
         for t in self.tile_times:
             if t.shape not in register_shapes:
@@ -216,24 +238,41 @@ class HardwareProfile:
         manager only the candidate tiles a profile has measured)."""
         return any(t.key == (bm, bn, bk, tma_store) for t in self.tile_times)
 
-    def tile_time(self, bm: int, bn: int, bk: int, tma_store: bool = False) -> TileTime:
+    def tile_time(self, bm: int, bn: int, bk: int, tma_store: bool = False,
+                  hidden: Optional[int] = None) -> TileTime:
         """The tile time model of shape (bm, bn, bk) with the register-store epilogue, or
-        with the TMA-store one (`tma_store`). A profile without a TMA-store entry for the
-        shape gives its register-store entry for it, warned once per profile and shape (in
-        one calibration run on one H200 the TMA-store tile was never the slower of the two,
-        docs/perf_notes.md v5.3).
+        with the TMA-store one (`tma_store`), for a call of output width `hidden` (H,
+        elements): of the entries for that shape and epilogue, the one measured at H, else
+        the one nearest by ratio (`TileTime.hidden_distance`; a tie: the smaller H), else
+        one without H; `hidden` None: the first entry. A profile without a TMA-store entry
+        for the shape gives its register-store entry for it, warned once per profile and
+        shape (in one calibration run on one H200 the TMA-store tile was never the slower
+        of the two, docs/perf_notes.md v5.3).
 
         Raises:
             TypeError: tma_store is not a bool.
-            ValueError: the profile has no entry for that shape (the message lists them).
+            ValueError: hidden is not None or an int >= 1; the profile has no entry for
+                that shape (the message lists them).
         """
         if tma_store is not True and tma_store is not False:
             raise TypeError(f"tma_store={tma_store!r}: expected a bool")
+        if hidden is not None:
+            if isinstance(hidden, bool) or not isinstance(hidden, numbers.Integral) or hidden < 1:
+                raise ValueError(f"hidden={hidden!r}: expected None or an int >= 1 (H, "
+                                 "elements)")
+            hidden = int(hidden)
+        best, best_d = None, math.inf
         for t in self.tile_times:  # (a short tuple: the common case returns at once)
             if t.bm == bm and t.bn == bn and t.bk == bk and t.tma_store == tma_store:
-                return t
+                d = t.hidden_distance(hidden)
+                if d == 0.0:
+                    return t
+                if best is None or d < best_d or (d == best_d and t.hidden < best.hidden):
+                    best, best_d = t, d
+        if best is not None:
+            return best
         if tma_store:
-            fallback = self.tile_time(bm, bn, bk)
+            fallback = self.tile_time(bm, bn, bk, hidden=hidden)
             key = (self.name, self.source, (bm, bn, bk))
             if key not in _WARNED_TMA_FALLBACK:
                 _WARNED_TMA_FALLBACK.add(key)
@@ -251,11 +290,12 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         """Plain dict in the YAML layout (`save_profile`)."""
         d = asdict(self)
-        # (tma_store only where true, idle_wave_cost only where not 1: an entry without
-        # them reads as before)
+        # (tma_store only where true, idle_wave_cost only where not 1, hidden only where set:
+        # an entry without them reads as before)
         d["tile_times"] = [{k: v for k, v in asdict(t).items()
                             if not (k == "tma_store" and not v)
-                            and not (k == "idle_wave_cost" and v == 1.0)}
+                            and not (k == "idle_wave_cost" and v == 1.0)
+                            and not (k == "hidden" and v is None)}
                            for t in self.tile_times]
         if not d["extra"]:
             del d["extra"]
@@ -297,12 +337,12 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         tile_objs = []
         for t in tiles:
             want = {"bm", "bn", "bk", "ctas_per_sm", "alpha_us", "beta_us"}
-            if not want <= set(t) <= want | {"tma_store", "idle_wave_cost"}:
+            optional = {"tma_store", "idle_wave_cost", "hidden"}
+            if not want <= set(t) <= want | optional:
                 raise ValueError(f"tile_times entry {t}: missing keys {sorted(want - set(t))}, "
-                                 f"unknown keys "
-                                 f"{sorted(set(t) - want - {'tma_store', 'idle_wave_cost'})} "
+                                 f"unknown keys {sorted(set(t) - want - optional)} "
                                  f"(expected exactly the keys {sorted(want)}, and optionally "
-                                 "tma_store and idle_wave_cost)")
+                                 "tma_store, idle_wave_cost and hidden)")
             tile_objs.append(TileTime(**t))
         rest = {k: data[k] for k in _KEYS[3:]}
         return HardwareProfile(name=data["name"], gpu=GpuLimits(**gpu),
