@@ -18,6 +18,9 @@ tile_predicted_us, the model's time of each tile it compared); --variants add ot
                 --variants tile's nocomm[...]): the producer efficiency is
                 gemm_paired / ours_nocomm (from v6.0; before, gemm / ours_nocomm, timed
                 apart)
+  ours_paired   with --variants: ours_prepared's call again, its runs interleaved with
+                every variant's prepared call ours[...] (from v6.5; before, each variant
+                was timed alone), so ours[<tile>] / ours_paired compares the tiles
   ours          the fused Triton op as `gemm2_gatherrs` runs it, host work included (tables,
                 copies, launches); op-level "auto" without routing maps runs direct
   ours_prepared the op as the Megatron layer runs it: host work done beforehand (it
@@ -373,6 +376,7 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
         producers = [("gemm_paired", lambda: grouped_gemm(h, w2, rows_per_expert, offs)),
                      ("ours_nocomm", call.gemm_only)]
         variant_errs = {}
+        variant_prepares = []
         # other tile configurations / schedules, same inputs and the same plan (grid and k of
         # the op's tile, `call_tile`): an A/B of the tiles at equal k
         for name in args.variants:
@@ -381,9 +385,19 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
             v_call = one_call(tile, v_plan)  # compiles; its result is checked
             variant_errs[name] = float((v_call.out.float() - ref.float()).abs().max()
                                        / ref.float().abs().max())
-            results[f"ours[{name}]"] = timed_prepared(lambda: prepare(tile, v_plan), h, w2,
-                                                      args)
+            variant_prepares.append((f"ours[{name}]",
+                                     lambda tile=tile, v_plan=v_plan: prepare(tile, v_plan)))
             producers.append((f"nocomm[{name}]", v_call.gemm_only))
+        if variant_prepares:
+            # the variants' prepared calls interleaved with the op's own (since v6.5: timed
+            # one variant after another, Mixtral 16384's wide tile read 5.60-6.17 ms there
+            # against 5.45 for the op running the same tile), so ours[...] / ours_paired is
+            # an A/B in the same rounds
+            paired = timed_prepared_interleaved([prepare] + [f for _, f in variant_prepares],
+                                                h, w2, args)
+            results["ours_paired"] = paired[0]
+            for (key, _), t in zip(variant_prepares, paired[1:]):
+                results[key] = t
         for (key, _), t in zip(producers, timed_interleaved(
                 [fn for _, fn in producers], args.warmup, args.iters, args.queue_ms)):
             results[key] = t

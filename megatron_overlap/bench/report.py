@@ -17,7 +17,9 @@ routing-map all-gather; from v4.5); breakdown rows "ours_host",
 the same interleaved rounds as "ours_nocomm" and the "nocomm[...]" rows; the table's
 gemm/no-comm column is gemm_paired / ours_nocomm where it exists, else gemm / ours_nocomm,
 timed apart); exploration rows
-"ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts), p20_ms / p50_ms /
+"ours[...]" / "nocomm[...]" for other tile configurations or forced CTA counts, and with
+them "ours_paired" (from v6.5: ours_prepared's call timed again in the ours[<tile>] rows'
+interleaved rounds)), p20_ms / p50_ms /
 p80_ms (the slowest rank's), queue_ms (GPU sleep before each timed run, hiding the host's
 enqueue: every provider but "ours"; absent = 0), gpu, world, peer_bandwidth_gbps, git_sha,
 hw_profile (from v6.0: the hardware profile's name the plans used; before, always "h200"),

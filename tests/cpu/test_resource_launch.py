@@ -278,7 +278,7 @@ def test_bench_op_tile_variant_names():
     # each row's tma_store: the epilogue its provider ran (None: no GEMM2 of ours)
     tma, regs = TileConfig(tma_store=True), TileConfig()
     tma_of = module.provider_tma_store
-    for provider in ("ours", "ours_nocomm", "ours_prepared", "ours[k=8]"):
+    for provider in ("ours", "ours_nocomm", "ours_prepared", "ours_paired", "ours[k=8]"):
         assert tma_of(provider, tma, 2048) is True and tma_of(provider, regs, 2048) is False
     assert tma_of("ours[128x256x64w8s3]", tma, 2048) is False  # the variant's own tile
     assert tma_of("nocomm[128x256x64w8s3tma]", regs, 2048) is True
