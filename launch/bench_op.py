@@ -389,10 +389,10 @@ def run_workload(model: str, tokens: int, layout: str, args, device, bandwidth) 
                                      lambda tile=tile, v_plan=v_plan: prepare(tile, v_plan)))
             producers.append((f"nocomm[{name}]", v_call.gemm_only))
         if variant_prepares:
-            # the variants' prepared calls interleaved with the op's own (since v6.5: timed
-            # one variant after another, Mixtral 16384's wide tile read 5.60-6.17 ms there
-            # against 5.45 for the op running the same tile), so ours[...] / ours_paired is
-            # an A/B in the same rounds
+            # the variants' prepared calls interleaved with the op's own, so ours[...] /
+            # ours_paired is an A/B in the same rounds (since v6.5; before, each variant was
+            # timed alone, and under the H100's power cap Mixtral 16384's wide tile read
+            # 5.60-6.17 ms there against 5.45 for the op running the same tile)
             paired = timed_prepared_interleaved([prepare] + [f for _, f in variant_prepares],
                                                 h, w2, args)
             results["ours_paired"] = paired[0]

@@ -311,7 +311,7 @@ def synthetic_tails(base: HardwareProfile, tail_ffns, num_sms: int, hidden: int,
     sweeps = [(REGISTER_TILE, False)] + ([(DEFAULT_TMA_TILE, True)] if tma_store else [])
     for config, tma in sweeps + [(t, t.tma_store) for t in tiles]:
         shape = (config.bm, config.bn, config.bk)
-        t = _synthetic_tile_time(base, shape, tma)
+        t = _synthetic_tile_time(base, shape, tma, hidden)
         for f in tail_ffns:
             tau_ms = (t.alpha_us + t.beta_us * -(-f // shape[2])) * 1e-3
             for p in tail_sweep(config.bm, config.bn, num_sms, hidden=hidden):

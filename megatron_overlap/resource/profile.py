@@ -23,6 +23,7 @@ import os
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -118,11 +119,12 @@ class TileTime:
     waves, where the CTAs have drifted apart).
 
     `hidden` (H, elements; YAML key optional, default None): the output width H the entry
-    was measured at (`launch/calibrate.py --hidden`, since v6.5 written on every entry).
-    A profile may hold one entry per H for a shape and epilogue; `HardwareProfile.tile_time`
-    gives a call the entry whose H is nearest its own (on one H100 the wide tile's
-    advantage over the default tile at F = 1408 was 4 % at H = 4096 and none at H = 2048,
-    docs/perf_notes.md v6.5). None: H not recorded, the entry serves every H."""
+    was measured at (`launch/calibrate.py --hidden`: since v6.5 on every entry it fits;
+    an entry it copies from the base keeps the base's). A profile may hold one entry per H
+    for a shape and epilogue; `HardwareProfile.tile_time` gives a call the entry whose H is
+    nearest its own (on one H100 the wide tile was 4 % faster per wave than the default
+    tile at F = 1408 and H = 4096, 1 % slower at H = 2048, docs/perf_notes.md v6.5). None:
+    H not recorded, the entry serves every H."""
 
     bm: int
     bn: int
@@ -166,14 +168,17 @@ class TileTime:
         (then by the nearest `hidden`)."""
         return (self.bm, self.bn, self.bk, self.tma_store)
 
-    def hidden_distance(self, hidden: Optional[int]) -> float:
-        """How far this entry's H is from a call's: |log2(self.hidden / hidden)|; 0 where
-        either is None (an entry without H serves every H; a lookup without H takes the
-        first entry), so `HardwareProfile.tile_time` prefers an entry measured at the
-        call's H, then the nearest by ratio."""
-        if hidden is None or self.hidden is None:
-            return 0.0 if hidden is None else math.inf
-        return abs(math.log2(self.hidden / hidden))
+    def hidden_distance(self, hidden: Optional[int]):
+        """How far this entry's H is from a call's, as the exact ratio max / min of the two
+        (a `fractions.Fraction` >= 1: 1 at the same H, so ties compare exactly); 1 where the
+        call gives no H (a lookup without H takes the first entry); infinity where the
+        entry has no H and the call has one (such an entry serves every H, after the
+        measured ones). `HardwareProfile.tile_time` takes the smallest."""
+        if hidden is None:
+            return Fraction(1)
+        if self.hidden is None:
+            return math.inf
+        return Fraction(max(self.hidden, hidden), min(self.hidden, hidden))
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,7 @@ class HardwareProfile:
             _check_float(key, getattr(self, key), positive=False)
 
     def has_tile_time(self, bm: int, bn: int, bk: int, tma_store: bool = False) -> bool:
-        """Whether the profile has an entry of exactly this shape and epilogue (no
+        """Whether the profile has an entry of exactly this shape and epilogue, at any H (no
         fallback, no warning: `ops.triton_gemm2_gatherrs.plan_call` offers the resource
         manager only the candidate tiles a profile has measured)."""
         return any(t.key == (bm, bn, bk, tma_store) for t in self.tile_times)
@@ -243,7 +248,7 @@ class HardwareProfile:
         """The tile time model of shape (bm, bn, bk) with the register-store epilogue, or
         with the TMA-store one (`tma_store`), for a call of output width `hidden` (H,
         elements): of the entries for that shape and epilogue, the one measured at H, else
-        the one nearest by ratio (`TileTime.hidden_distance`; a tie: the smaller H), else
+        the one nearest by ratio (`TileTime.hidden_distance`, exact; a tie: the smaller H), else
         one without H; `hidden` None: the first entry. A profile without a TMA-store entry
         for the shape gives its register-store entry for it, warned once per profile and
         shape (in one calibration run on one H200 the TMA-store tile was never the slower
@@ -262,10 +267,10 @@ class HardwareProfile:
                                  "elements)")
             hidden = int(hidden)
         best, best_d = None, math.inf
-        for t in self.tile_times:  # (a short tuple: the common case returns at once)
+        for t in self.tile_times:  # (a short tuple; the same H returns at once)
             if t.bm == bm and t.bn == bn and t.bk == bk and t.tma_store == tma_store:
                 d = t.hidden_distance(hidden)
-                if d == 0.0:
+                if d == 1:
                     return t
                 if best is None or d < best_d or (d == best_d and t.hidden < best.hidden):
                     best, best_d = t, d

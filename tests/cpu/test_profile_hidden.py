@@ -70,9 +70,13 @@ def test_an_entry_without_hidden_serves_every_h_after_the_measured_ones():
     assert only_old.tile_time(128, 256, 64, hidden=1024).alpha_us == 1.0
 
 
-def test_a_tie_between_two_hs_takes_the_smaller():
-    prof = _with([_entry(2.0, 4096), _entry(1.0, 1024)])  # 2048: one octave from each
-    assert prof.tile_time(128, 256, 64, hidden=2048).hidden == 1024
+@pytest.mark.parametrize("entries, hidden, want", [
+    ((4096, 1024), 2048, 1024),  # one octave from each
+    ((4608, 2048), 3072, 2048),  # 1.5 x from each: exact, not float log2
+    ((4500, 2000), 3000, 2000)])
+def test_a_tie_between_two_hs_takes_the_smaller(entries, hidden, want):
+    prof = _with([_entry(2.0, entries[0]), _entry(1.0, entries[1])])
+    assert prof.tile_time(128, 256, 64, hidden=hidden).hidden == want
 
 
 def test_the_tma_fallback_takes_the_register_entry_of_the_calls_h():
@@ -175,3 +179,17 @@ def test_calibrate_refuses_a_tma_hidden_the_tma_epilogue_cannot_store(tmp_path, 
                         str(tmp_path / "x.yaml")])
     assert err.value.code == 2
     assert "--hidden 2052" in capsys.readouterr().err
+
+
+def test_calibrate_dry_run_tails_come_from_the_first_hiddens_entries(tmp_path, capsys):
+    """The dry run's last-wave rows are generated from the base's entry at --hidden[0], so
+    the fitted idle_wave_cost is that entry's (not the first entry's in the file)."""
+    calibrate = _load("calibrate")
+    base = _with([dataclasses.replace(_entry(1.0, 2048), idle_wave_cost=0.5),
+                  dataclasses.replace(_entry(5.0, 4096), idle_wave_cost=0.9)])
+    base_path, out = tmp_path / "base.yaml", tmp_path / "out.yaml"
+    save_profile(base, base_path)
+    assert calibrate.main(["--dry-run", "--base", str(base_path), "--tiles", "--hidden",
+                           "4096", "--out", str(out)]) == 0
+    (entry,) = load_profile(out).tile_times
+    assert entry.hidden == 4096 and entry.idle_wave_cost == pytest.approx(0.9, abs=0.01)
