@@ -222,7 +222,8 @@ def _entry_key(row: dict):
 def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: List[dict],
                   store_rows: List[dict], hbm_gbps: float, launch_us: float,
                   latency_us: float, source: str, link_from_base: bool,
-                  tail_rows: Sequence[dict] = ()) -> HardwareProfile:
+                  tail_rows: Sequence[dict] = (),
+                  fill_rows: Sequence[dict] = ()) -> HardwareProfile:
     """The profile from the measured rows (`tile_rows`: bm, bn, bk (absent: `DEFAULT_TILE`),
     ksteps, tau_us, ctas_per_sm, tma_store (absent: False) and hidden (absent: None), one
     tile_times entry fitted per tile shape, epilogue and H, the default tile's first, each
@@ -270,6 +271,7 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         # not measured here (a host cost, from bench_op's ours_prereduced_host - ours_host)
         prereduce_host_us=base.prereduce_host_us, provisional=False, source=source,
         extra={"tile_sweep": tile_rows, "tail_sweep": list(tail_rows),
+               **({"fill_sweep": list(fill_rows)} if fill_rows else {}),
                "idle_wave_cost_measured": measured_idle, "peer_store_sweep": store_rows,
                "link_values_copied_from_base": link_from_base,
                "tma_store_copied_from_base": copied_tma,
@@ -527,6 +529,71 @@ def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
     return rows
 
 
+def measure_fills(args, device, timed_interleaved, base: HardwareProfile,
+                  tiles) -> List[dict]:
+    """The part-filled tile sweep (module docstring "tile fill"): for each tile (a
+    `ops.triton_gemm2_gatherrs.TileConfig`) and each F in --fill-ffn, the GEMM2 tiles alone
+    (`_Call.gemm_only` on the plan's grid) on every `bench.workloads.fill_sweep` point (the
+    same tiles and whole waves, r of BM rows valid in each), the points of one (tile, F)
+    timed interleaved on shared operands. Rows: tile, bm, bn, bk, tma_store, ffn,
+    valid_rows, experts, tiles, grid, waves, ms (p50). Measures with the tile times of
+    `base` (for the plan's grid alone)."""
+    import torch
+
+    from megatron_overlap.bench.workloads import fill_sweep, rank_rows, top1_routing_map
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, epilogue_stores_tma
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+    from megatron_overlap.symm import get_workspace
+
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ws = get_workspace(None, hidden=args.hidden, dtype=torch.bfloat16, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+    rows = []
+    for tile in tiles:
+        shape = (tile.bm, tile.bn, tile.bk)
+        tma_store = epilogue_stores_tma(tile, args.hidden, 2)
+        if not base.has_tile_time(*shape, tma_store):
+            base = _with_placeholder_times(base, shape, tma_store)
+        probe = rank_rows([top1_routing_map([tile.bm])], tp=1, ep=1, rank=0, topk=1).meta
+        grid = plan_gemm2_gatherrs(probe, GatherRSOptions(backend="triton"), num_sms=num_sms,
+                                   hidden=args.hidden, ffn=args.fill_ffn[0],
+                                   tma_store=tma_store, profile=base, tile=shape).num_ctas
+        points = fill_sweep(tile.bm, tile.bn, grid, hidden=args.hidden)
+        metas = [rank_rows([top1_routing_map(p.rows)], tp=1, ep=1, rank=0, topk=1).meta.to(
+            device) for p in points]
+        n = max(int(m.tokens_per_local_expert.sum()) for m in metas)
+        for f in args.fill_ffn:
+            h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
+            w2 = (torch.randn(points[0].experts, args.hidden, f, generator=gen, device=device)
+                  / f**0.5).to(torch.bfloat16)
+            calls = []
+            for p, meta in zip(points, metas):
+                plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"),
+                                           num_sms=num_sms, hidden=args.hidden, ffn=f,
+                                           tma_store=tma_store, profile=base, tile=shape)
+                call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype,
+                             device=device, timeout_s=30.0, tile=tile)
+                call.run(h[:int(meta.tokens_per_local_expert.sum())], w2)
+                if plan.breakdown.local_tiles != p.tiles or plan.num_ctas != grid:
+                    raise RuntimeError(
+                        f"fill sweep {tile.name}: the plan has {plan.breakdown.local_tiles} "
+                        f"tiles on a grid of {plan.num_ctas}, the point expected {p.tiles} on "
+                        f"{grid}")
+                calls.append((p, plan, call))
+            times = timed_interleaved([lambda c=c, g=pl.num_ctas: c.gemm_only(g)
+                                       for _, pl, c in calls], args.warmup, args.iters,
+                                      args.queue_ms)
+            for (p, _, _), t in zip(calls, times):
+                rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk,
+                                 tma_store=tma_store, ffn=f, valid_rows=p.valid_rows,
+                                 experts=p.experts, tiles=p.tiles, grid=grid, waves=p.waves,
+                                 ms=t["p50"]))
+            del h, w2, calls, times
+            torch.cuda.empty_cache()
+    return rows
+
+
 def measure_link(args, device, timed, num_sms: int):
     import torch
     import torch.distributed as dist
@@ -624,6 +691,10 @@ def main(argv=None) -> int:
                         help="GEMM depths F of the last-wave sweep that measures each tile's "
                              "idle_wave_cost (none: --tail-ffn with no value; the entries "
                              "then keep 1.0, whole waves)")
+    parser.add_argument("--fill-ffn", nargs="*", type=positive_int, default=[],
+                        help="GEMM depths F of the part-filled tile sweep that measures each "
+                             "tile's fill_cost (default: none, the entries price every tile "
+                             "as a full one)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
@@ -705,6 +776,8 @@ def main(argv=None) -> int:
                  for r in measure_tiles(a, device, bench_op.timed_interleaved, base, swept)]
     tail_rows = ([dict(r, hidden=at[0].hidden) for r in measure_tails(
         at[0], device, bench_op.timed_interleaved, base, swept)] if args.tail_ffn else [])
+    fill_rows = ([dict(r, hidden=a.hidden) for a in at for r in measure_fills(
+        a, device, bench_op.timed_interleaved, base, swept)] if args.fill_ffn else [])
     hbm_gbps, launch_us = measure_local(at[0], device, bench_op.timed)
     world = dist.get_world_size()
     if world > 1:
@@ -716,7 +789,7 @@ def main(argv=None) -> int:
                   f"{stamp}, git {bench_op.git_sha()[:12]}, torch {torch.__version__}")
         profile = build_profile(name, base, gpu, tile_rows, store_rows, hbm_gbps,
                                 launch_us, latency_us, source, link_from_base=world == 1,
-                                tail_rows=tail_rows)
+                                tail_rows=tail_rows, fill_rows=fill_rows)
         header = (f"Calibrated: {source}.\n"
                   + ("Link values copied from the base profile (one rank).\n" if world == 1
                      else "")
@@ -760,6 +833,13 @@ def _print(p: HardwareProfile) -> None:
     for r in extra.get("tail_sweep", []):
         print(f"  last wave {r['tile']} F={r['ffn']:>6} tiles={r['tiles']:>5} "
               f"waves={r['waves']:.3f} ({r['point']}) {r['ms']:.4f} ms")
+    full = {(r["tile"], r.get("hidden"), r["ffn"]): r["ms"] for r in extra.get("fill_sweep", [])
+            if r["valid_rows"] == r["bm"]}
+    for r in extra.get("fill_sweep", []):
+        ref = full.get((r["tile"], r.get("hidden"), r["ffn"]))
+        print(f"  fill {r['tile']} H={r.get('hidden')} F={r['ffn']:>6} rows={r['valid_rows']:>4}"
+              f"/{r['bm']} {r['ms']:.4f} ms" + (f" ({r['ms'] / ref:.3f} of a full tile)"
+                                                  if ref else ""))
     for r in extra.get("peer_store_sweep", []):
         print(f"  peer stores, {r['ctas']:>4} CTAs: {r['gbps']:.1f} GB/s")
 

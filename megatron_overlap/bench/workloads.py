@@ -204,6 +204,65 @@ def tail_sweep(bm: int, bn: int, grid: int, *, hidden: int, num_experts: int = 8
     return points
 
 
+@dataclass(frozen=True)
+class FillPoint:
+    """One workload of the part-filled tile sweep (`fill_sweep`): `experts` experts of
+    `valid_rows` rows each, one row block per expert, so every one of the `tiles` tiles
+    (whole waves of the grid) has `valid_rows` of its BM rows valid."""
+
+    valid_rows: int
+    experts: int
+    tiles: int
+    waves: int
+
+    @property
+    def rows(self) -> Tuple[int, ...]:
+        """Rows per expert (`top1_routing_map`'s input)."""
+        return (self.valid_rows,) * self.experts
+
+
+FILL_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
+"""The fractions of BM `fill_sweep` times a tile at by default (1.0: the full tile, the
+reference every other point is divided by)."""
+
+
+def fill_sweep(bm: int, bn: int, grid: int, *, hidden: int, min_waves: int = 8,
+               fractions: Sequence[float] = FILL_FRACTIONS) -> List[FillPoint]:
+    """The workloads that measure what a tile with fewer than BM valid rows costs
+    (`launch/calibrate.py --fill-ffn`, `TileTime.fill_cost`): for each fraction f, experts
+    of r = max(1, round(f x BM)) rows each, one row block (ceil(H / BN) tiles) per expert,
+    and as many experts as make N whole waves of G = `grid` CTAs (N the smallest multiple
+    of ceil(H / BN) / gcd(G, ceil(H / BN)) >= `min_waves`). Every point has the same tiles
+    and waves, so time(r) / time(BM) is the cost of an r-row tile relative to a full one
+    (the kernel multiplies masked rows like valid ones; what a masked row saves is its
+    loads and stores).
+
+    Returns:
+        One point per distinct r, in the order of `fractions`.
+
+    Raises:
+        ValueError: a size < 1, a fraction outside (0, 1].
+    """
+    for name, value in (("bm", bm), ("bn", bn), ("grid", grid), ("hidden", hidden),
+                        ("min_waves", min_waves)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    if not fractions or any(not 0.0 < f <= 1.0 for f in fractions):
+        raise ValueError(f"fractions={list(fractions)}: expected fractions in (0, 1]")
+    cols = -(-hidden // bn)
+    step = cols // math.gcd(grid, cols)
+    waves = -(-min_waves // step) * step
+    experts = waves * grid // cols
+    points, seen = [], set()
+    for f in fractions:
+        r = max(1, round(f * bm))
+        if r not in seen:
+            seen.add(r)
+            points.append(FillPoint(valid_rows=r, experts=experts, tiles=experts * cols,
+                                    waves=waves))
+    return points
+
+
 def top1_routing_map(rows_per_expert: Sequence[int]) -> torch.Tensor:
     """[T, E] bool top-1 routing map with `rows_per_expert[e]` tokens on expert e
     (contiguous token ranges), T = their sum.
