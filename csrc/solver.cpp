@@ -475,6 +475,41 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
   return py::make_tuple(best[0], best[1], slowest[0], slowest[1]);
 }
 
+// Mean cost of the call's tiles relative to a full one, in millionths (model.fill_ppm_of_call):
+// floor(n / bm) full tiles and, where n mod bm > 0, one at fill[n mod bm] per (expert, chunk)
+// block; the mean over the blocks, rounded to nearest. fill: int64 [bm + 1].
+int64_t fill_ppm_of_call(const py::array& counts_in, int64_t bm, const py::array& fill_in) {
+  check_range("bm", bm, 1, int64_t(1) << 20);
+  const char fk = fill_in.dtype().kind();
+  auto fill = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(fill_in);
+  bool ok = fill_in.ndim() == 1 && fill.shape(0) == bm + 1 && (fk == 'i' || fk == 'u');
+  auto f = fill.unchecked<1>();
+  for (int64_t r = 1; ok && r <= bm; ++r) ok = f(r) >= 1 && f(r) <= kIdleWhole;
+  if (!ok) {
+    fail("fill_ppm must be an integer [BM + 1] = [" + std::to_string(bm + 1) +
+         "] array of millionths in [1, " + std::to_string(kIdleWhole) + "]");
+  }
+  auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(counts_in);
+  const int64_t* c = counts.data();
+  int64_t full = 0, blocks = 0, part = 0;
+  for (py::ssize_t i = 0; i < counts.size(); ++i) {
+    const int64_t n = c[i], rem = n % bm;
+    full += n / bm;
+    if (rem > 0) {
+      ++blocks;
+      part += f(rem);
+    }
+  }
+  blocks += full;
+  if (blocks == 0) return kIdleWhole;
+  const int64_t weighted = full * kIdleWhole + part;
+  return (2 * weighted + blocks) / (2 * blocks);
+}
+
+int64_t scale_tau(int64_t tau, int64_t fill_ppm) {
+  return std::max<int64_t>(1, (2 * tau * fill_ppm + kIdleWhole) / (2 * kIdleWhole));
+}
+
 // One plan's model in one call: count_tiles, make_problem, solve (or gemm_end_ps for an
 // override k), the breakdown's three terms at the chosen k and, with routed counts, the
 // combine mode's times (model.plan_call is the Python twin, same results).
@@ -483,10 +518,13 @@ py::tuple plan_call(py::array counts_in, int64_t local_chunk, int64_t bm, int64_
                     double alpha, double beta, int64_t o_p, int64_t o_ref, double b_link,
                     double b_cta, int64_t override_k, py::object routed, int64_t tp,
                     int64_t ep, int64_t topk, int64_t mode_g, int64_t mode_tau,
-                    double b_hbm, int64_t idle) {
+                    double b_hbm, int64_t idle, py::object fill) {
   const TileCounts t = count_tiles_impl(counts_in, local_chunk, bm, bn, hidden);
   Problem p = make_problem_impl(g, t.remote, t.local, t.remote_rows, hidden, elem, ffn, bk,
                                 alpha, beta, o_p, o_ref, b_link, b_cta);
+  if (!fill.is_none()) {
+    p.tau = scale_tau(p.tau, fill_ppm_of_call(counts_in, bm, py::array(fill)));
+  }
   p.idle = check_range("idle_ppm", idle, 0, kIdleWhole);
   int64_t k, end;
   if (override_k != 0) {
@@ -543,7 +581,11 @@ PYBIND11_MODULE(_solver, m) {
         py::arg("link_bandwidth_gbps"), py::arg("cta_bandwidth_gbps"), py::arg("override_k"),
         py::arg("routed_counts"), py::arg("tp_size"), py::arg("ep_size"), py::arg("topk"),
         py::arg("mode_num_ctas"), py::arg("mode_tile_ps"), py::arg("hbm_bandwidth_gbps"),
-        py::arg("idle_ppm") = kIdleWhole);
+        py::arg("idle_ppm") = kIdleWhole, py::arg("fill_ppm") = py::none());
+  m.def("fill_ppm_of_call", [](py::array counts, int64_t bm, py::object fill) -> int64_t {
+    return fill.is_none() ? kIdleWhole : fill_ppm_of_call(counts, bm, py::array(fill));
+  }, py::arg("rows_per_expert_per_chunk"), py::arg("bm"), py::arg("fill_ppm"));
+  m.def("scale_tau_ps", &scale_tau, py::arg("tau"), py::arg("fill_ppm"));
   m.def("bench_solve", &bench_solve, py::arg("g"), py::arg("tr"), py::arg("tl"),
         py::arg("tau"), py::arg("c_link"), py::arg("c_cta"), py::arg("iters"));
 }

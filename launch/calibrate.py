@@ -34,6 +34,14 @@ written, every rank measures alike at the same time, as in the fused op):
              `idle_wave_cost` (1: whole waves; the resource model prices a part-filled
              last wave with it), at the first --hidden only, given to the tile's
              entries at every --hidden;
+  tile fill  for each swept tile, each --hidden and each F in --fill-ffn (since v6.6), the
+             GEMM2 on `bench.workloads.fill_sweep`'s points: the same whole waves of
+             tiles, one row block per expert, r = BM/8, BM/4, BM/2, 3BM/4, BM rows valid,
+             timed interleaved: each point's time over the full one's, the mean over the
+             F's, is the entry's `fill_cost` (what a tile with r valid rows costs; the
+             resource model scales a call's tile time by its tiles' mean cost; on one H100
+             0.87-0.93 at r <= BM/4 and F <= 1408, 0.93-1.0 at F = 6400,
+             docs/perf_notes.md v6.6);
   peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
              --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
              largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
@@ -95,6 +103,9 @@ compilation, so --ffn with fewer values shortens a run."""
 DEFAULT_TAIL_FFN = (1408, 6400, 14336)
 """The F of the last-wave sweep: a fine-grained (Qwen1.5-MoE / DeepSeek-V2-Lite) and the
 two coarse models' depths."""
+DEFAULT_FILL_FFN = (768, 1408, 6400)
+"""The F of the part-filled tile sweep: the fine-grained models' depths, where experts get
+few rows and many tiles are part-filled, and one coarse one."""
 DEFAULT_CTAS = (1, 2, 4, 8, 16, 32, 64, 0)  # 0: the whole grid (one CTA per SM)
 
 
@@ -148,6 +159,31 @@ def fit_idle_wave_cost(rows: Sequence[dict]) -> float:
     if den == 0:
         raise ValueError("no part-filled last-wave point to fit idle_wave_cost from")
     return round(min(1.0, max(0.0, num / den)), 3)
+
+
+def fit_fill_cost(rows: Sequence[dict]) -> Tuple[Tuple[int, float], ...]:
+    """`TileTime.fill_cost` of one tile entry from its part-filled sweep rows
+    (`measure_fills`; each: bm, ffn, valid_rows, ms): per F, each point's time over the
+    full point's (valid_rows = bm), then per valid_rows < bm the mean over the F's, clipped
+    to (0, 1] and rounded to 4 decimals.
+
+    Raises:
+        ValueError: an F without exactly one full point, a time <= 0.
+    """
+    by_f: Dict[int, List[dict]] = {}
+    for r in rows:
+        by_f.setdefault(r["ffn"], []).append(r)
+    ratios: Dict[int, List[float]] = {}
+    for f, group in sorted(by_f.items()):
+        full = [r for r in group if r["valid_rows"] == r["bm"]]
+        if len(full) != 1 or not full[0]["ms"] > 0 or any(not r["ms"] > 0 for r in group):
+            raise ValueError(f"F={f}: expected one full-tile point and times > 0, got "
+                             f"{[(r['valid_rows'], r['ms']) for r in group]}")
+        for r in group:
+            if r["valid_rows"] < r["bm"]:
+                ratios.setdefault(r["valid_rows"], []).append(r["ms"] / full[0]["ms"])
+    return tuple((rows_, round(min(1.0, max(1e-4, float(np.mean(v)))), 4))
+                 for rows_, v in sorted(ratios.items()))
 
 
 def fit_link(ctas: Sequence[int], gbps: Sequence[float]) -> Tuple[float, float]:
@@ -231,7 +267,9 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
     (`measure_tails`), each shape and epilogue's `idle_wave_cost` fitted from its own rows
     (`fit_idle_wave_cost`, whatever their H) and given to its entries at every H, 1.0
     (whole waves) for one without any, which `extra.idle_wave_cost_measured` lists as
-    false)."""
+    false; `fill_rows`: the part-filled tile sweep (`measure_fills`), each entry's
+    `fill_cost` fitted from the rows of its own shape, epilogue and H (`fit_fill_cost`),
+    empty (every tile priced as a full one) for an entry without any)."""
     bm, bn, bk = DEFAULT_TILE
     entries = []
     measured_idle: Dict[str, bool] = {}
@@ -242,11 +280,13 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         alpha, beta = fit_tile_time([r["ksteps"] for r in rows], [r["tau_us"] for r in rows])
         tails = [r for r in tail_rows if _row_key(r) == key[:4]]
         idle = fit_idle_wave_cost(tails) if tails else 1.0
+        fills = [r for r in fill_rows if _entry_key(r) == key]
         measured_idle[f"{key[0]}x{key[1]}x{key[2]}{'tma' if key[3] else ''}"] = bool(tails)
         entries.append(TileTime(bm=key[0], bn=key[1], bk=key[2],
                                 ctas_per_sm=rows[0]["ctas_per_sm"],
                                 alpha_us=round(alpha, 4), beta_us=round(beta, 5),
-                                tma_store=key[3], idle_wave_cost=idle, hidden=key[4]))
+                                tma_store=key[3], idle_wave_cost=idle, hidden=key[4],
+                                fill_cost=fit_fill_cost(fills) if fills else ()))
     # A TMA-store time not measured here (no --tma-store): the base's, where it has one (at
     # every H it has one for), so that a re-calibration without the flag does not drop it
     # (`tma_store_copied_from_base`).
@@ -325,6 +365,33 @@ def synthetic_tails(base: HardwareProfile, tail_ffns, num_sms: int, hidden: int,
                                  waves=round(p.waves, 6), fill=p.fill,
                                  point="whole" if p.fill == 1.0 else "partial",
                                  ms=0.005 + waves * tau_ms))
+    return rows
+
+
+def synthetic_fills(base: HardwareProfile, fill_ffns, num_sms: int, hidden: int,
+                    tma_store: bool = False, tiles=()) -> List[dict]:
+    """--dry-run: the part-filled tile sweep's rows at H = `hidden` if the base profile were
+    exact: each point's time from the base's entry (its tau and `fill_ppm_table`; a full
+    tile's cost where it has none), so the fit gives the base's costs back at the sweep's
+    points, for the tiles `synthetic_measurements` sweeps, one CTA per SM."""
+    from megatron_overlap.bench.workloads import fill_sweep
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
+
+    rows = []
+    sweeps = [(REGISTER_TILE, False)] + ([(DEFAULT_TMA_TILE, True)] if tma_store else [])
+    for config, tma in sweeps + [(t, t.tma_store) for t in tiles]:
+        shape = (config.bm, config.bn, config.bk)
+        t = _synthetic_tile_time(base, shape, tma, hidden)
+        table = t.fill_ppm_table if t.bm == config.bm else None
+        for f in fill_ffns:
+            tau_ms = (t.alpha_us + t.beta_us * -(-f // shape[2])) * 1e-3
+            for p in fill_sweep(config.bm, config.bn, num_sms, hidden=hidden):
+                cost = 1.0 if table is None else int(table[p.valid_rows]) / 1e6
+                rows.append(dict(tile=config.name, bm=shape[0], bn=shape[1], bk=shape[2],
+                                 tma_store=tma, ffn=f, valid_rows=p.valid_rows,
+                                 experts=p.experts, tiles=p.tiles, grid=num_sms,
+                                 waves=p.waves, ms=p.waves * tau_ms * cost, hidden=hidden))
     return rows
 
 
@@ -691,10 +758,11 @@ def main(argv=None) -> int:
                         help="GEMM depths F of the last-wave sweep that measures each tile's "
                              "idle_wave_cost (none: --tail-ffn with no value; the entries "
                              "then keep 1.0, whole waves)")
-    parser.add_argument("--fill-ffn", nargs="*", type=positive_int, default=[],
+    parser.add_argument("--fill-ffn", nargs="*", type=positive_int,
+                        default=list(DEFAULT_FILL_FFN),
                         help="GEMM depths F of the part-filled tile sweep that measures each "
-                             "tile's fill_cost (default: none, the entries price every tile "
-                             "as a full one)")
+                             "tile's fill_cost, at every --hidden (none: --fill-ffn with no "
+                             "value; the entries then price every tile as a full one)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
@@ -731,11 +799,14 @@ def main(argv=None) -> int:
             tile_rows += rows
         tail_rows = synthetic_tails(base, args.tail_ffn, num_sms, args.hidden[0],
                                     args.tma_store, extra_tiles)
+        fill_rows = [r for hidden in args.hidden for r in synthetic_fills(
+            base, args.fill_ffn, num_sms, hidden, args.tma_store, extra_tiles)]
         profile = build_profile(
             args.name or base.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
             base.launch_overhead_us, base.store_latency_us,
             source=f"launch/calibrate.py --dry-run {stamp}: generated from {base.name}, "
-                   "nothing measured", link_from_base=False, tail_rows=tail_rows)
+                   "nothing measured", link_from_base=False, tail_rows=tail_rows,
+            fill_rows=fill_rows)
         profile = dataclasses.replace(profile, provisional=True)
         save_profile(profile, args.out, header="DRY RUN: values generated from the base "
                                                "profile's model, not measured")
@@ -817,7 +888,9 @@ def _print(p: HardwareProfile) -> None:
         print(f"tile {t.bm}x{t.bn}x{t.bk}, {'TMA' if t.tma_store else 'register'} stores"
               f"{'' if t.hidden is None else f', H {t.hidden}'}: "
               f"tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) us at "
-              f"{t.ctas_per_sm} CTA/SM, idle_wave_cost {t.idle_wave_cost:.3f}")
+              f"{t.ctas_per_sm} CTA/SM, idle_wave_cost {t.idle_wave_cost:.3f}"
+              + (", fill_cost " + " ".join(f"{r}:{c:.3f}" for r, c in t.fill_cost)
+                 if t.fill_cost else ""))
     print(f"B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
           f"{p.cta_bandwidth_gbps:.2f} GB/s | HBM {p.hbm_bandwidth_gbps:.0f} GB/s | launch "
           f"{p.launch_overhead_us:.1f} us | store latency {p.store_latency_us:.2f} us | "

@@ -335,7 +335,8 @@ def plan_gemm2_gatherrs(
         tile_time.alpha_us, tile_time.beta_us, o_p, tile_time.ctas_per_sm,
         prof.link_bandwidth_gbps, prof.cta_bandwidth_gbps, 0 if override is None else override,
         meta.routed_counts if auto else None, meta.tp_size, meta.ep_size, meta.topk or 1,
-        num_sms * ref_ctas, tau_ref_ps, prof.hbm_bandwidth_gbps, tile_time.idle_ppm)
+        num_sms * ref_ctas, tau_ref_ps, prof.hbm_bandwidth_gbps, tile_time.idle_ppm,
+        tile_time.fill_ppm_table)
     source = "override" if override is not None else "model" if remote_tiles else "no-remote"
     if recv_rows is None:
         recv_rows = int(meta.rows_per_expert_per_chunk.sum())

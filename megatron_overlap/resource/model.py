@@ -184,6 +184,42 @@ def count_tiles(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int,
     return remote, local, remote_rows
 
 
+def fill_ppm_of_call(rows_per_expert_per_chunk, bm: int, fill_ppm) -> int:
+    """The mean cost of the call's GEMM2 tiles relative to a full one, in millionths
+    (IDLE_WHOLE = every tile costs a full tile's tau): each (expert, chunk) block of n rows
+    is floor(n / BM) full tiles (IDLE_WHOLE each) and, where n mod BM > 0, one tile at
+    `fill_ppm[n mod BM]`; the mean over the blocks, rounded to the nearest millionth (every
+    block has the same ceil(H / BN) column tiles, so they do not weigh). `fill_ppm`: int64
+    [BM + 1], a tile's cost at r valid rows in millionths of a full one
+    (`TileTime.fill_ppm_table`); None: IDLE_WHOLE. No tile at all: IDLE_WHOLE.
+
+    Raises:
+        ValueError: a table not of BM + 1 values in [1, IDLE_WHOLE].
+    """
+    if fill_ppm is None:
+        return IDLE_WHOLE
+    bm = _int("bm", bm, 1, 1 << 20)
+    table = np.asarray(fill_ppm)
+    if (table.ndim != 1 or table.shape[0] != bm + 1
+            or not np.issubdtype(table.dtype, np.integer)
+            or (bm and (int(table[1:].min()) < 1 or int(table[1:].max()) > IDLE_WHOLE))):
+        raise ValueError(f"fill_ppm must be an integer [BM + 1] = [{bm + 1}] array of "
+                         f"millionths in [1, {IDLE_WHOLE}], got shape {table.shape} dtype "
+                         f"{table.dtype}")
+    counts = np.asarray(rows_per_expert_per_chunk).astype(np.int64).ravel()
+    full, rem = counts // bm, counts % bm
+    blocks = int(full.sum()) + int((rem > 0).sum())
+    if blocks == 0:
+        return IDLE_WHOLE
+    weighted = int(full.sum()) * IDLE_WHOLE + int(table.astype(np.int64)[rem[rem > 0]].sum())
+    return (2 * weighted + blocks) // (2 * blocks)
+
+
+def scale_tau_ps(tau: int, fill_ppm: int) -> int:
+    """tau x fill_ppm / IDLE_WHOLE, rounded to the nearest ps (ties up), at least 1."""
+    return max(1, (2 * tau * fill_ppm + IDLE_WHOLE) // (2 * IDLE_WHOLE))
+
+
 # ---- the problem and its solution ----------------------------------------------------------
 
 def make_problem(num_ctas: int, remote_tiles: int, local_tiles: int, remote_rows: int,
@@ -328,13 +364,15 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
               link_bandwidth_gbps: float, cta_bandwidth_gbps: float, override_k: int,
               routed_counts, tp_size: int, ep_size: int, topk: int, mode_num_ctas: int,
               mode_tile_ps: int, hbm_bandwidth_gbps: float,
-              idle_ppm: int = IDLE_WHOLE) -> tuple:
+              idle_ppm: int = IDLE_WHOLE, fill_ppm=None) -> tuple:
     """One plan's model in one call (what `plan_gemm2_gatherrs` asks; the C++ solver has
     the same function, one crossing of the binding instead of four): `count_tiles`,
     `make_problem`, `solve` (or `gemm_end_ps` at `override_k` when it is not 0), the
     breakdown's terms at the chosen k and, where `routed_counts` is not None, `mode_times`
     with (`mode_num_ctas`, `mode_tile_ps`); `idle_ppm` (the tile's last-wave idle cost) in
-    both.
+    both; `fill_ppm` (None, or the tile's cost at r valid rows, `fill_ppm_of_call`) scales
+    the problem's tau by the call's mean tile cost (`scale_tau_ps`) before it is solved (the
+    mode model's `mode_tile_ps` is not scaled).
 
     Returns:
         (k, E(k) ps, T_r, T_l, tau ps, tau_r(k) ps, R(k) ps, W(k) ps, mode_times' tuple or
@@ -347,6 +385,9 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
     p = make_problem(num_ctas, tr, tl, rows, hidden, elem_bytes, ffn, bk, alpha_us, beta_us,
                      ctas_per_sm, calibrated_ctas_per_sm, link_bandwidth_gbps,
                      cta_bandwidth_gbps)
+    if fill_ppm is not None:
+        p = p[:3] + (scale_tau_ps(p[3], fill_ppm_of_call(rows_per_expert_per_chunk, bm,
+                                                          fill_ppm)),) + p[4:]
     p = p + (_int("idle_ppm", idle_ppm, 0, IDLE_WHOLE),)
     if override_k != 0:
         k, end = override_k, gemm_end_ps(override_k, *p)

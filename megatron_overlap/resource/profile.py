@@ -27,6 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import yaml
 
 from megatron_overlap.resource.model import IDLE_WHOLE
@@ -99,6 +100,27 @@ class GpuLimits:
                        0 if key == "shared_reserved_bytes_per_cta" else 1)
 
 
+def _fill_cost(points, bm: int) -> Tuple[Tuple[int, float], ...]:
+    """`TileTime.fill_cost` checked and as a tuple of (int, float) pairs."""
+    if isinstance(points, (str, bytes, dict)) or not isinstance(points, (list, tuple)):
+        raise ValueError(f"tile_times.fill_cost={points!r}: expected a list of [rows, cost] "
+                         "pairs")
+    out = []
+    for p in points:
+        if (not isinstance(p, (list, tuple)) or len(p) != 2 or isinstance(p[0], bool)
+                or not isinstance(p[0], numbers.Integral) or isinstance(p[1], bool)
+                or not isinstance(p[1], numbers.Real)):
+            raise ValueError(f"tile_times.fill_cost entry {p!r}: expected [rows, cost], an int "
+                             "and a number")
+        r, c = int(p[0]), float(p[1])
+        if not 1 <= r < bm or not 0.0 < c <= 1.0 or (out and r <= out[-1][0]):
+            raise ValueError(f"tile_times.fill_cost entry {list(p)!r} of a {bm}-row tile: "
+                             f"expected rows strictly increasing in [1, {bm}) and a cost in "
+                             "(0, 1] (a fraction of a full tile's time)")
+        out.append((r, c))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class TileTime:
     """tau(F) = alpha_us + beta_us * ceil(F / bk): time of one BM x BN output tile of depth F
@@ -124,7 +146,15 @@ class TileTime:
     for a shape and epilogue; `HardwareProfile.tile_time` gives a call the entry whose H is
     nearest its own (on one H100 the wide tile was 4 % faster per wave than the default
     tile at F = 1408 and H = 4096, 1 % slower at H = 2048, docs/perf_notes.md v6.5). None:
-    H not recorded, the entry serves every H."""
+    H not recorded, the entry serves every H.
+
+    `fill_cost` (YAML key optional, default empty): what a tile with r < BM valid rows (the
+    last row block of an expert's rows) costs, as a fraction of a full tile's tau: pairs
+    (r, cost), r strictly increasing in [1, BM), cost in (0, 1]; between two points (and
+    up to (BM, 1.0)) linear in r, below the first point the first point's cost. Empty: every
+    tile costs a full one (every profile before v6.6). `launch/calibrate.py --fill-ffn`
+    measures it (`bench.workloads.fill_sweep`); the resource model scales a call's tau by
+    its tiles' mean cost (`fill_ppm_table`, `resource.model.fill_ppm_of_call`)."""
 
     bm: int
     bn: int
@@ -135,6 +165,7 @@ class TileTime:
     tma_store: bool = False
     idle_wave_cost: float = 1.0
     hidden: Optional[int] = None
+    fill_cost: Tuple[Tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("bm", "bn", "bk", "ctas_per_sm"):
@@ -149,9 +180,24 @@ class TileTime:
         if self.idle_wave_cost > 1.0:
             raise ValueError(f"tile_times.idle_wave_cost={self.idle_wave_cost!r}: expected a "
                              "number in [0, 1] (a fraction of a wave's time)")
+        object.__setattr__(self, "fill_cost", _fill_cost(self.fill_cost, self.bm))
         if self.alpha_us + self.beta_us <= 0:
             raise ValueError(f"tile_times {self.bm}x{self.bn}x{self.bk}: alpha_us + beta_us "
                              "must be > 0 (a tile takes time)")
+
+    @functools.cached_property
+    def fill_ppm_table(self) -> Optional[np.ndarray]:
+        """int64 [BM + 1]: the cost of a tile with r valid rows (index r; 0 unused) in
+        millionths of a full tile's (`fill_cost` interpolated, IDLE_WHOLE at BM), what the
+        solver's `plan_call` takes as `fill_ppm`; None where `fill_cost` is empty."""
+        if not self.fill_cost:
+            return None
+        xs = [r for r, _ in self.fill_cost] + [self.bm]
+        ys = [c for _, c in self.fill_cost] + [1.0]
+        cost = np.interp(np.arange(self.bm + 1, dtype=float), xs, ys)
+        table = np.clip(np.rint(cost * IDLE_WHOLE), 1, IDLE_WHOLE).astype(np.int64)
+        table.setflags(write=False)
+        return table
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -300,8 +346,12 @@ class HardwareProfile:
         d["tile_times"] = [{k: v for k, v in asdict(t).items()
                             if not (k == "tma_store" and not v)
                             and not (k == "idle_wave_cost" and v == 1.0)
-                            and not (k == "hidden" and v is None)}
+                            and not (k == "hidden" and v is None)
+                            and not (k == "fill_cost" and not v)}
                            for t in self.tile_times]
+        for t in d["tile_times"]:  # (YAML lists, not tuples)
+            if "fill_cost" in t:
+                t["fill_cost"] = [[int(r), float(c)] for r, c in t["fill_cost"]]
         if not d["extra"]:
             del d["extra"]
         return d
@@ -342,12 +392,12 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         tile_objs = []
         for t in tiles:
             want = {"bm", "bn", "bk", "ctas_per_sm", "alpha_us", "beta_us"}
-            optional = {"tma_store", "idle_wave_cost", "hidden"}
+            optional = {"tma_store", "idle_wave_cost", "hidden", "fill_cost"}
             if not want <= set(t) <= want | optional:
                 raise ValueError(f"tile_times entry {t}: missing keys {sorted(want - set(t))}, "
                                  f"unknown keys {sorted(set(t) - want - optional)} "
                                  f"(expected exactly the keys {sorted(want)}, and optionally "
-                                 "tma_store, idle_wave_cost and hidden)")
+                                 "tma_store, idle_wave_cost, hidden and fill_cost)")
             tile_objs.append(TileTime(**t))
         rest = {k: data[k] for k in _KEYS[3:]}
         return HardwareProfile(name=data["name"], gpu=GpuLimits(**gpu),

@@ -163,7 +163,9 @@ def _with_idle(prof, **idle_by_key):
     tiles = []
     for t in prof.tile_times:
         name = f"{t.bm}x{t.bn}{'tma' if t.tma_store else ''}"
-        tiles.append(dataclasses.replace(t, idle_wave_cost=idle_by_key.get(name, 1.0)))
+        # (every tile priced as a full one: tests/cpu/test_fill_cost.py covers fill_cost)
+        tiles.append(dataclasses.replace(t, idle_wave_cost=idle_by_key.get(name, 1.0),
+                                         fill_cost=()))
     return dataclasses.replace(prof, name="idle", tile_times=tuple(tiles))
 
 

@@ -275,8 +275,8 @@ def test_the_group_choice_follows_the_slowest_ranks_prediction(monkeypatch):
 
     monkeypatch.setenv(config.TILE_CHOICE_ENV, "all")
     counts = _uneven_ep2_counts()
-    for ratio, want in ((0.9, op.DEFAULT_TILE), (0.8, op.WIDE_TILE), (0.5, op.WIDE_TILE),
-                        (1.0, op.DEFAULT_TILE)):
+    chosen = set()
+    for ratio in (0.9, 0.8, 0.5, 1.0):
         prof = _profile(ratio)
         choice = _choose(_group_metas(counts, tp=1, ep=2)[0], prof)
         expected = {}
@@ -291,7 +291,12 @@ def test_the_group_choice_follows_the_slowest_ranks_prediction(monkeypatch):
             expected[t.name] = (mc.prereduce_us + mc.prereduce_host_us
                                 if mc.mode == "prereduce" else mc.direct_us)
         assert choice.predicted_us == pytest.approx(expected, rel=1e-9), ratio
+        wide_wins = (expected[op.WIDE_TILE.name]
+                     < (1.0 - op.TILE_CHOICE_MARGIN) * expected[op.DEFAULT_TILE.name])
+        want = op.WIDE_TILE if wide_wins else op.DEFAULT_TILE
         assert choice.tile == want, (ratio, expected)
+        chosen.add(want)
+    assert chosen == {op.DEFAULT_TILE, op.WIDE_TILE}  # (both outcomes are exercised)
 
 
 def test_a_fixed_mode_is_priced_in_that_mode(monkeypatch):
