@@ -11,7 +11,9 @@ device with --num-sms SMs under each --profile (no kernel, no GPU: `resources` g
 planner's default occupancy, as before a call's first launch). A choice is right where the
 chosen tile's measured producer time is within --tie of the fastest measured variant
 among the tiles the planner compared. Prints one line per workload and, per profile, how
-many choices were right; exits 2 where the rows have no variant timings.
+many choices were right, and the tile the GPU run itself chose (`gemm2_tile`, with the
+profile it ran with: replayed with that profile, the two agree); exits 2 where the rows
+have no variant timings.
 
 Rows at world > 1 are skipped (the group's choice needs every rank's counts; bench_op's
 JSONL has one rank's). Profile: a shipped name (configs/hardware) or a YAML path.
@@ -30,17 +32,27 @@ if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(_HERE))  # run from a checkout without `pip install`
 
 
+def _key(r):
+    return (r["model"], r["tokens_per_rank"], r["hidden"], r["ffn_per_rank"],
+            r["local_experts"], r["topk"], r.get("routing", "uniform"))
+
+
 def measured_workloads(rows):
     """{(model, tokens, hidden, ffn, experts, topk, routing): {tile name: producer p50 ms}}
-    of the world-1 rows with `nocomm[<tile>]` variant timings."""
+    of the world-1 rows with `nocomm[<tile>]` variant timings (a workload in several files:
+    the last file's times)."""
     out = defaultdict(dict)
     for r in rows:
         p = r.get("provider", "")
         if r.get("world") == 1 and p.startswith("nocomm[") and p.endswith("]"):
-            key = (r["model"], r["tokens_per_rank"], r["hidden"], r["ffn_per_rank"],
-                   r["local_experts"], r["topk"], r.get("routing", "uniform"))
-            out[key][p[len("nocomm["):-1]] = r["p50_ms"]
+            out[_key(r)][p[len("nocomm["):-1]] = r["p50_ms"]
     return dict(out)
+
+
+def gpu_choices(rows):
+    """{workload key: (the tile the GPU run's op chose, its hw_profile)} of world-1 rows."""
+    return {_key(r): (r["gemm2_tile"], r.get("hw_profile")) for r in rows
+            if r.get("world") == 1 and r.get("gemm2_tile")}
 
 
 def replay(workloads, profile, *, num_sms: int, seed: int, tie: float):
@@ -89,6 +101,7 @@ def main(argv=None) -> int:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     workloads = measured_workloads(rows)
+    on_gpu = gpu_choices(rows)
     if not workloads:
         print("no world-1 rows with nocomm[<tile>] variant timings (bench_op --variants)",
               file=sys.stderr)
@@ -101,8 +114,9 @@ def main(argv=None) -> int:
             times = workloads[key]
             measured = " ".join(f"{t}={ms:.3f}" for t, ms in sorted(times.items()))
             pred = " ".join(f"{t}={us:.0f}" for t, us in predicted.items())
+            gpu = on_gpu.get(key, ("?", None))[0]
             print(f"  {key[0]:<20} {key[1]:>6}  chose {chosen:<20} {'right' if right else 'WRONG'}"
-                  f"  measured ms: {measured}  predicted us: {pred}")
+                  f"  (the GPU run chose {gpu})  measured ms: {measured}  predicted us: {pred}")
         print(f"  right on {sum(r for *_, r in results)} of {len(results)}")
     return 0
 

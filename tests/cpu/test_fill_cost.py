@@ -201,3 +201,27 @@ def test_calibrate_dry_run_gives_the_base_profiles_fill_cost_back(tmp_path):
     assert cal.main(["--dry-run", "--base", "h100", "--tma-store", "--fill-ffn", "--out",
                      str(out)]) == 0
     assert all(not t.fill_cost for t in load_profile(out).tile_times)
+
+
+def test_the_replay_reproduces_the_gpu_runs_choices_and_counts_the_right_ones(tmp_path):
+    """launch/replay_tile_choice.py on v6.6 run a's rows (1x H100): planned on the CPU with
+    the profile that run used (calibrate_v65a, shipped then as h100.yaml), every workload's
+    tile is the one the GPU run's op chose; the count of right choices is the measured
+    one (22 of 25, docs/perf_notes.md v6.6)."""
+    import json
+
+    rep = _load("replay_tile_choice")
+    path = REPO / "docs" / "results" / "bench_op_v66a_ep1_1xh100.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    workloads, on_gpu = rep.measured_workloads(rows), rep.gpu_choices(rows)
+    assert len(workloads) == 25 and set(on_gpu) == set(workloads)
+    res = rep.replay(workloads, REPO / "docs" / "results" / "calibrate_v65a_1xh100.yaml",
+                     num_sms=132, seed=0, tie=0.0)
+    assert [c for _, c, _, _ in res] == [on_gpu[k][0] for k, *_ in res]
+    assert sum(ok for *_, ok in res) == 22
+    assert rep.main([str(path), "--profile", "h100"]) == 0
+
+    no_variants = tmp_path / "plain.jsonl"  # rows of a run without --variants
+    no_variants.write_text("".join(json.dumps(r) + "\n" for r in rows
+                                   if not r["provider"].startswith("nocomm[")))
+    assert rep.main([str(no_variants)]) == 2
