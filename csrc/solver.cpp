@@ -481,32 +481,48 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
 int64_t fill_ppm_of_call(const py::array& counts_in, int64_t bm, const py::array& fill_in) {
   check_range("bm", bm, 1, int64_t(1) << 20);
   const char fk = fill_in.dtype().kind();
-  auto fill = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(fill_in);
-  bool ok = fill_in.ndim() == 1 && fill.shape(0) == bm + 1 && (fk == 'i' || fk == 'u');
-  auto f = fill.unchecked<1>();
-  for (int64_t r = 1; ok && r <= bm; ++r) ok = f(r) >= 1 && f(r) <= kIdleWhole;
-  if (!ok) {
+  if (fill_in.ndim() != 1 || fill_in.shape(0) != bm + 1 || (fk != 'i' && fk != 'u')) {
     fail("fill_ppm must be an integer [BM + 1] = [" + std::to_string(bm + 1) +
-         "] array of millionths in [1, " + std::to_string(kIdleWhole) + "]");
+         "] array of millionths in [1, " + std::to_string(kIdleWhole) + "], got a " +
+         std::to_string(fill_in.ndim()) + "-d array of " +
+         std::to_string(fill_in.size()) + " values, dtype kind '" + std::string(1, fk) + "'");
+  }
+  auto fill = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(fill_in);
+  auto f = fill.unchecked<1>();
+  for (int64_t r = 1; r <= bm; ++r) {
+    if (f(r) < 1 || f(r) > kIdleWhole) {
+      fail("fill_ppm[" + std::to_string(r) + "]=" + std::to_string(f(r)) +
+           ": expected millionths in [1, " + std::to_string(kIdleWhole) + "]");
+    }
+  }
+  const char kind = counts_in.dtype().kind();
+  if (counts_in.ndim() != 2 || (kind != 'i' && kind != 'u')) {
+    fail("rows_per_expert_per_chunk must be an integer [L, R] array");
   }
   auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(counts_in);
   const int64_t* c = counts.data();
   int64_t full = 0, blocks = 0, part = 0;
   for (py::ssize_t i = 0; i < counts.size(); ++i) {
-    const int64_t n = c[i], rem = n % bm;
+    const int64_t n = c[i];
+    if (n < 0) fail("rows_per_expert_per_chunk has a negative count " + std::to_string(n));
+    if (n / bm > kMaxTiles) fail("more than " + std::to_string(kMaxTiles) + " row blocks");
+    const int64_t rem = n % bm;
     full += n / bm;
     if (rem > 0) {
       ++blocks;
       part += f(rem);
     }
+    if (full + blocks > kMaxTiles) fail("more than " + std::to_string(kMaxTiles) + " row blocks");
   }
   blocks += full;
   if (blocks == 0) return kIdleWhole;
-  const int64_t weighted = full * kIdleWhole + part;
+  const int64_t weighted = full * kIdleWhole + part;  // <= 2^30 x 10^6 < 2^50
   return (2 * weighted + blocks) / (2 * blocks);
 }
 
 int64_t scale_tau(int64_t tau, int64_t fill_ppm) {
+  check_range("tau_ps", tau, 1, kMaxTimePs);
+  check_range("fill_ppm", fill_ppm, 1, kIdleWhole);
   return std::max<int64_t>(1, (2 * tau * fill_ppm + kIdleWhole) / (2 * kIdleWhole));
 }
 

@@ -165,7 +165,8 @@ def fit_fill_cost(rows: Sequence[dict]) -> Tuple[Tuple[int, float], ...]:
     """`TileTime.fill_cost` of one tile entry from its part-filled sweep rows
     (`measure_fills`; each: bm, ffn, valid_rows, ms): per F, each point's time over the
     full point's (valid_rows = bm), then per valid_rows < bm the mean over the F's, clipped
-    to (0, 1] and rounded to 4 decimals.
+    to (0, 1], made non-decreasing in valid_rows (`monotone_fit`) and rounded to 4
+    decimals.
 
     Raises:
         ValueError: an F without exactly one full point, a time <= 0.
@@ -182,8 +183,25 @@ def fit_fill_cost(rows: Sequence[dict]) -> Tuple[Tuple[int, float], ...]:
         for r in group:
             if r["valid_rows"] < r["bm"]:
                 ratios.setdefault(r["valid_rows"], []).append(r["ms"] / full[0]["ms"])
-    return tuple((rows_, round(min(1.0, max(1e-4, float(np.mean(v)))), 4))
-                 for rows_, v in sorted(ratios.items()))
+    points = sorted((r, min(1.0, max(1e-4, float(np.mean(v))))) for r, v in ratios.items())
+    costs = monotone_fit([c for _, c in points])
+    return tuple((r, round(c, 4)) for (r, _), c in zip(points, costs))
+
+
+def monotone_fit(values: Sequence[float]) -> List[float]:
+    """The least-squares non-decreasing sequence nearest `values` (pool adjacent violators,
+    equal weights): a tile with fewer valid rows never costs more than one with more, so a
+    measured dip (noise: `WIDE_TILE`'s 64-row point below its 32-row one on one H100,
+    docs/perf_notes.md v6.6) is averaged with its neighbours instead of entering the
+    model."""
+    blocks: List[List[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
 
 
 def fit_link(ctas: Sequence[int], gbps: Sequence[float]) -> Tuple[float, float]:

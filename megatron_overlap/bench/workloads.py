@@ -230,7 +230,7 @@ def fill_sweep(bm: int, bn: int, grid: int, *, hidden: int, min_waves: int = 8,
                fractions: Sequence[float] = FILL_FRACTIONS) -> List[FillPoint]:
     """The workloads that measure what a tile with fewer than BM valid rows costs
     (`launch/calibrate.py --fill-ffn`, `TileTime.fill_cost`): for each fraction f, experts
-    of r = max(1, round(f x BM)) rows each, one row block (ceil(H / BN) tiles) per expert,
+    of r = max(1, floor(f x BM + 1/2)) rows each, one row block (ceil(H / BN) tiles) per expert,
     and as many experts as make N whole waves of G = `grid` CTAs (N the smallest multiple
     of ceil(H / BN) / gcd(G, ceil(H / BN)) >= `min_waves`). Every point has the same tiles
     and waves, so time(r) / time(BM) is the cost of an r-row tile relative to a full one
@@ -241,21 +241,22 @@ def fill_sweep(bm: int, bn: int, grid: int, *, hidden: int, min_waves: int = 8,
         One point per distinct r, in the order of `fractions`.
 
     Raises:
-        ValueError: a size < 1, a fraction outside (0, 1].
+        ValueError: a size < 1, a fraction outside (0, 1], no fraction 1.0.
     """
     for name, value in (("bm", bm), ("bn", bn), ("grid", grid), ("hidden", hidden),
                         ("min_waves", min_waves)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an int >= 1")
-    if not fractions or any(not 0.0 < f <= 1.0 for f in fractions):
-        raise ValueError(f"fractions={list(fractions)}: expected fractions in (0, 1]")
+    if not fractions or any(not 0.0 < f <= 1.0 for f in fractions) or 1.0 not in fractions:
+        raise ValueError(f"fractions={list(fractions)}: expected fractions in (0, 1], 1.0 "
+                         "among them (the full tile every point is divided by)")
     cols = -(-hidden // bn)
     step = cols // math.gcd(grid, cols)
     waves = -(-min_waves // step) * step
     experts = waves * grid // cols
     points, seen = [], set()
     for f in fractions:
-        r = max(1, round(f * bm))
+        r = max(1, math.floor(f * bm + 0.5))
         if r not in seen:
             seen.add(r)
             points.append(FillPoint(valid_rows=r, experts=experts, tiles=experts * cols,

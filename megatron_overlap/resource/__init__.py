@@ -114,7 +114,9 @@ class PlanBreakdown:
     ctas_per_sm: int
     """o_p: resident CTAs per SM of the kernel."""
     tile_us: float
-    """tau: one tile's time with all G CTAs busy."""
+    """tau: the mean time of the call's tiles with all G CTAs busy (the profile's
+    alpha + beta x ceil(F / BK), scaled by o_p / o_ref and, where the entry has a
+    `fill_cost`, by the call's mean tile cost: `resource.model.fill_ppm_of_call`)."""
     remote_tile_us: float
     """tau_r(k) = max(tau, k * b / B_link, b / B_cta)."""
     remote_bound_us: float

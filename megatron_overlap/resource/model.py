@@ -194,21 +194,37 @@ def fill_ppm_of_call(rows_per_expert_per_chunk, bm: int, fill_ppm) -> int:
     (`TileTime.fill_ppm_table`); None: IDLE_WHOLE. No tile at all: IDLE_WHOLE.
 
     Raises:
-        ValueError: a table not of BM + 1 values in [1, IDLE_WHOLE].
+        ValueError: a table not of BM + 1 integers with entries 1..BM in [1, IDLE_WHOLE]
+            (the first bad entry named); counts not an integer [L, R] array, negative, or
+            more than MAX_TILES row blocks (as `count_tiles`).
     """
     if fill_ppm is None:
         return IDLE_WHOLE
     bm = _int("bm", bm, 1, 1 << 20)
     table = np.asarray(fill_ppm)
     if (table.ndim != 1 or table.shape[0] != bm + 1
-            or not np.issubdtype(table.dtype, np.integer)
-            or (bm and (int(table[1:].min()) < 1 or int(table[1:].max()) > IDLE_WHOLE))):
+            or not np.issubdtype(table.dtype, np.integer)):
         raise ValueError(f"fill_ppm must be an integer [BM + 1] = [{bm + 1}] array of "
                          f"millionths in [1, {IDLE_WHOLE}], got shape {table.shape} dtype "
                          f"{table.dtype}")
-    counts = np.asarray(rows_per_expert_per_chunk).astype(np.int64).ravel()
+    bad = np.flatnonzero((table[1:] < 1) | (table[1:] > IDLE_WHOLE))
+    if bad.size:
+        r = int(bad[0]) + 1
+        raise ValueError(f"fill_ppm[{r}]={int(table[r])}: expected millionths in "
+                         f"[1, {IDLE_WHOLE}]")
+    counts = np.asarray(rows_per_expert_per_chunk)
+    if counts.ndim != 2 or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"rows_per_expert_per_chunk must be an integer [L, R] array, got "
+                         f"shape {counts.shape} dtype {counts.dtype}")
+    counts = counts.astype(np.int64).ravel()
+    if counts.size and int(counts.min()) < 0:
+        raise ValueError(f"rows_per_expert_per_chunk has a negative count {int(counts.min())}")
+    if counts.size and int(counts.max()) // bm > MAX_TILES:
+        raise ValueError(f"more than {MAX_TILES} row blocks")
     full, rem = counts // bm, counts % bm
     blocks = int(full.sum()) + int((rem > 0).sum())
+    if blocks > MAX_TILES:
+        raise ValueError(f"more than {MAX_TILES} row blocks")
     if blocks == 0:
         return IDLE_WHOLE
     weighted = int(full.sum()) * IDLE_WHOLE + int(table.astype(np.int64)[rem[rem > 0]].sum())
@@ -216,7 +232,14 @@ def fill_ppm_of_call(rows_per_expert_per_chunk, bm: int, fill_ppm) -> int:
 
 
 def scale_tau_ps(tau: int, fill_ppm: int) -> int:
-    """tau x fill_ppm / IDLE_WHOLE, rounded to the nearest ps (ties up), at least 1."""
+    """tau x fill_ppm / IDLE_WHOLE, rounded to the nearest ps (ties up), at least 1.
+
+    Raises:
+        ValueError / TypeError: tau not an int in [1, MAX_TIME_PS], fill_ppm not in
+            [1, IDLE_WHOLE].
+    """
+    tau = _int("tau_ps", tau, 1, MAX_TIME_PS)
+    fill_ppm = _int("fill_ppm", fill_ppm, 1, IDLE_WHOLE)
     return max(1, (2 * tau * fill_ppm + IDLE_WHOLE) // (2 * IDLE_WHOLE))
 
 

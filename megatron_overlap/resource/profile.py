@@ -149,7 +149,7 @@ class TileTime:
     H not recorded, the entry serves every H.
 
     `fill_cost` (YAML key optional, default empty): what a tile with r < BM valid rows (the
-    last row block of an expert's rows) costs, as a fraction of a full tile's tau: pairs
+    last row block of an (expert, source chunk) block of rows) costs, as a fraction of a full tile's tau: pairs
     (r, cost), r strictly increasing in [1, BM), cost in (0, 1]; between two points (and
     up to (BM, 1.0)) linear in r, below the first point the first point's cost. Empty: every
     tile costs a full one (every profile before v6.6). `launch/calibrate.py --fill-ffn`

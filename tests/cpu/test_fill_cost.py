@@ -93,15 +93,38 @@ def test_the_mean_cost_counts_full_blocks_whole_and_one_part_filled_tile_per_blo
     assert twin.scale_tau_ps(1, 1) == 1  # never 0
 
 
-@pytest.mark.parametrize("bad", [np.ones(128, dtype=np.int64), np.zeros(129, dtype=np.int64),
-                                 np.full(129, IDLE_WHOLE + 1), np.ones(129, dtype=float)])
-def test_a_bad_table_is_refused_by_both_implementations(bad):
-    counts = np.array([[3]], dtype=np.int64)
-    with pytest.raises(ValueError, match="fill_ppm"):
-        twin.fill_ppm_of_call(counts, 128, bad)
+_T = np.full(129, 500000, dtype=np.int64)
+
+
+@pytest.mark.parametrize("counts, table, match", [
+    (np.array([[3]]), np.ones(128, dtype=np.int64), r"fill_ppm must be .*\[129\]"),
+    (np.array([[3]]), np.zeros(129, dtype=np.int64), r"fill_ppm\[1\]=0"),
+    (np.array([[3]]), np.r_[_T[:7], IDLE_WHOLE + 1, _T[8:]], r"fill_ppm\[7\]=1000001"),
+    (np.array([[3]]), np.ones(129, dtype=float), "fill_ppm must be"),
+    (np.array([[3]]), np.full((1, 129), 5), "fill_ppm must be"),
+    (np.array([[3]]), np.array(["a"] * 129, dtype=object), "fill_ppm must be"),
+    (np.array([[-5, 200]]), _T, "negative count -5"),
+    (np.array([[3.0]]), _T, "integer \\[L, R\\]"),
+    (np.array([[True]]), _T, "integer \\[L, R\\]"),
+    (np.array([3]), _T, "integer \\[L, R\\]"),
+    (np.array([[2**50] * 4]), _T, "row blocks"),
+])
+def test_bad_counts_or_tables_are_refused_alike_by_both_implementations(counts, table, match):
+    impls = [twin] + ([cpp] if cpp is not None else [])
+    for impl in impls:
+        with pytest.raises(ValueError, match=match):
+            impl.fill_ppm_of_call(counts, 128, table)
+
+
+@pytest.mark.parametrize("tau, ppm, error", [
+    (0, 5, ValueError), (2**62, 5, ValueError), (1000, 0, ValueError),
+    (1000, IDLE_WHOLE + 1, ValueError), (10.0, 5, TypeError)])
+def test_scale_tau_refuses_values_out_of_range_in_both(tau, ppm, error):
+    with pytest.raises(error):
+        twin.scale_tau_ps(tau, ppm)
     if cpp is not None:
-        with pytest.raises(ValueError, match="fill_ppm"):
-            cpp.fill_ppm_of_call(counts, 128, bad)
+        with pytest.raises((error, TypeError)):
+            cpp.scale_tau_ps(tau, ppm)
 
 
 @needs_cpp
@@ -164,6 +187,10 @@ def test_fill_sweep_points_share_tiles_and_waves_and_fill_one_row_block_per_expe
             assert p.rows == (p.valid_rows,) * p.experts
     with pytest.raises(ValueError, match="fractions"):
         fill_sweep(128, 256, 132, hidden=4096, fractions=(0.0,))
+    with pytest.raises(ValueError, match="1.0 among them"):
+        fill_sweep(128, 256, 132, hidden=4096, fractions=(0.25, 0.5))
+    assert [p.valid_rows for p in fill_sweep(8, 64, 2, hidden=64, fractions=(
+        0.0625, 0.1875, 1.0))] == [1, 2, 8]  # halves round up: 0.5 -> 1, 1.5 -> 2
     with pytest.raises(ValueError, match="bm"):
         fill_sweep(0, 256, 132, hidden=4096)
 
@@ -180,6 +207,11 @@ def test_calibrate_fits_the_fill_cost_from_the_sweep_and_refuses_a_sweep_without
                               dict(bm=128, ffn=768, valid_rows=128, ms=1.0)]) == ((16, 1.0),)
     with pytest.raises(ValueError, match="full-tile point"):
         cal.fit_fill_cost([dict(bm=128, ffn=768, valid_rows=16, ms=1.0)])
+    # a dip (fewer rows costing more) is pooled with its neighbours: non-decreasing in r
+    dip = [dict(bm=256, ffn=768, valid_rows=r, ms=ms) for r, ms in (
+        (32, 0.96), (64, 0.94), (128, 0.95), (192, 0.97), (256, 1.0))]
+    assert cal.fit_fill_cost(dip) == ((32, 0.95), (64, 0.95), (128, 0.95), (192, 0.97))
+    assert cal.monotone_fit([1.0, 0.5, 0.6, 0.2]) == pytest.approx([0.575] * 4)
 
 
 def test_calibrate_dry_run_gives_the_base_profiles_fill_cost_back(tmp_path):

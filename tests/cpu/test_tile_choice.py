@@ -47,11 +47,12 @@ def _meta(rows_per_expert, group=(1, 1)):
 
 def _profile(wide_ratio: float, base: str = "h100"):
     """`base` with a `WIDE_TILE` tile time of `wide_ratio` x its default TMA-store tile's,
-    every entry priced in whole waves (idle_wave_cost 1: the counts below are ceil(tiles /
-    G); tests/cpu/test_last_wave.py covers the part-filled last wave)."""
+    every entry priced in whole waves and every tile as a full one (idle_wave_cost 1,
+    fill_cost empty: the counts below are ceil(tiles / G); tests/cpu/test_last_wave.py
+    covers the part-filled last wave, tests/cpu/test_fill_cost.py part-filled tiles)."""
     prof = load_profile(base)
     prof = dataclasses.replace(prof, tile_times=tuple(
-        dataclasses.replace(t, idle_wave_cost=1.0) for t in prof.tile_times))
+        dataclasses.replace(t, idle_wave_cost=1.0, fill_cost=()) for t in prof.tile_times))
     d = prof.tile_time(128, 256, 64, tma_store=True)
     w = op.WIDE_TILE
     wide = TileTime(w.bm, w.bn, w.bk, ctas_per_sm=1, alpha_us=d.alpha_us * wide_ratio,
@@ -276,7 +277,8 @@ def test_the_group_choice_follows_the_slowest_ranks_prediction(monkeypatch):
     monkeypatch.setenv(config.TILE_CHOICE_ENV, "all")
     counts = _uneven_ep2_counts()
     chosen = set()
-    for ratio in (0.9, 0.8, 0.5, 1.0):
+    for ratio, pinned in ((0.9, op.DEFAULT_TILE), (0.7, op.WIDE_TILE), (0.5, op.WIDE_TILE),
+                          (1.0, op.DEFAULT_TILE)):
         prof = _profile(ratio)
         choice = _choose(_group_metas(counts, tp=1, ep=2)[0], prof)
         expected = {}
@@ -294,7 +296,7 @@ def test_the_group_choice_follows_the_slowest_ranks_prediction(monkeypatch):
         wide_wins = (expected[op.WIDE_TILE.name]
                      < (1.0 - op.TILE_CHOICE_MARGIN) * expected[op.DEFAULT_TILE.name])
         want = op.WIDE_TILE if wide_wins else op.DEFAULT_TILE
-        assert choice.tile == want, (ratio, expected)
+        assert choice.tile == want == pinned, (ratio, expected)
         chosen.add(want)
     assert chosen == {op.DEFAULT_TILE, op.WIDE_TILE}  # (both outcomes are exercised)
 
