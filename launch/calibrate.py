@@ -548,17 +548,18 @@ def measure_tiles(args, device, timed_interleaved, base: HardwareProfile,
     return rows
 
 
-def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
-                  tiles) -> List[dict]:
-    """The last-wave sweep (module docstring "last wave"): for each tile (a
-    `ops.triton_gemm2_gatherrs.TileConfig`) and each F in --tail-ffn, the GEMM2 tiles alone
-    (`_Call.gemm_only` on the plan's grid) on every `bench.workloads.tail_sweep` point, the
-    points of one (tile, F) timed interleaved on shared operands. Rows: tile, bm, bn, bk,
-    tma_store, ffn, tiles, grid, waves (tiles / grid), fill, point ("whole" / "partial"),
-    ms (p50). Measures with the tile times of `base` (for the plan's grid alone)."""
+def _time_sweep(args, device, timed_interleaved, base: HardwareProfile, tiles, *, what: str,
+                ffns, seed_offset: int, points_of, row_of) -> List[dict]:
+    """The GEMM2 tiles alone (`_Call.gemm_only` on the plan's grid) of each tile (a
+    `ops.triton_gemm2_gatherrs.TileConfig`) on each workload point `points_of(tile, grid)`
+    gives (top-1 routing of `point.rows` rows per expert, `point.tiles` tiles), for each F
+    in `ffns`, the points of one (tile, F) timed interleaved on shared operands; one row per
+    point: tile, bm, bn, bk, tma_store, ffn, grid, ms (p50) and `row_of(point)`'s fields.
+    Plans with the tile times of `base` (for the grid alone); `what` names the sweep in
+    the error raised where a plan's tiles or grid are not the point's."""
     import torch
 
-    from megatron_overlap.bench.workloads import rank_rows, tail_sweep, top1_routing_map
+    from megatron_overlap.bench.workloads import rank_rows, top1_routing_map
     from megatron_overlap.config import GatherRSOptions
     from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, epilogue_stores_tma
     from megatron_overlap.resource import plan_gemm2_gatherrs
@@ -566,7 +567,7 @@ def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     ws = get_workspace(None, hidden=args.hidden, dtype=torch.bfloat16, device=device)
-    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    gen = torch.Generator(device=device).manual_seed(args.seed + seed_offset)
     rows = []
     for tile in tiles:
         shape = (tile.bm, tile.bn, tile.bk)
@@ -575,14 +576,14 @@ def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
             base = _with_placeholder_times(base, shape, tma_store)
         probe = rank_rows([top1_routing_map([tile.bm])], tp=1, ep=1, rank=0, topk=1).meta
         grid = plan_gemm2_gatherrs(probe, GatherRSOptions(backend="triton"), num_sms=num_sms,
-                                   hidden=args.hidden, ffn=args.tail_ffn[0],
+                                   hidden=args.hidden, ffn=ffns[0],
                                    tma_store=tma_store, profile=base, tile=shape).num_ctas
-        points = tail_sweep(tile.bm, tile.bn, grid, hidden=args.hidden)
+        points = points_of(tile, grid)
         metas = [rank_rows([top1_routing_map(p.rows)], tp=1, ep=1, rank=0, topk=1).meta.to(
             device) for p in points]
         n = max(int(m.tokens_per_local_expert.sum()) for m in metas)
         experts = len(points[0].rows)
-        for f in args.tail_ffn:
+        for f in ffns:
             h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
             w2 = (torch.randn(experts, args.hidden, f, generator=gen, device=device)
                   / f**0.5).to(torch.bfloat16)
@@ -596,7 +597,7 @@ def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
                 call.run(h[:int(meta.tokens_per_local_expert.sum())], w2)
                 if plan.breakdown.local_tiles != p.tiles or plan.num_ctas != grid:
                     raise RuntimeError(
-                        f"tail sweep {tile.name}: the plan has {plan.breakdown.local_tiles} "
+                        f"{what} {tile.name}: the plan has {plan.breakdown.local_tiles} "
                         f"tiles on a grid of {plan.num_ctas}, the point expected {p.tiles} on "
                         f"{grid}")
                 calls.append((p, plan, call))
@@ -605,78 +606,45 @@ def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
                                       args.queue_ms)
             for (p, _, _), t in zip(calls, times):
                 rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk,
-                                 tma_store=tma_store, ffn=f, tiles=p.tiles, grid=grid,
-                                 waves=round(p.waves, 6), fill=p.fill,
-                                 point="whole" if p.fill == 1.0 else "partial",
+                                 tma_store=tma_store, ffn=f, grid=grid, **row_of(p),
                                  ms=t["p50"]))
             del h, w2, calls, times
             torch.cuda.empty_cache()
     return rows
+
+
+def measure_tails(args, device, timed_interleaved, base: HardwareProfile,
+                  tiles) -> List[dict]:
+    """The last-wave sweep (module docstring "last wave"): for each tile (a
+    `ops.triton_gemm2_gatherrs.TileConfig`) and each F in --tail-ffn, the GEMM2 tiles alone
+    on every `bench.workloads.tail_sweep` point, timed interleaved (`_time_sweep`). Rows:
+    tile, bm, bn, bk, tma_store, ffn, grid, tiles, waves (tiles / grid), fill, point
+    ("whole" / "partial"), ms (p50)."""
+    from megatron_overlap.bench.workloads import tail_sweep
+
+    return _time_sweep(
+        args, device, timed_interleaved, base, tiles, what="tail sweep", ffns=args.tail_ffn,
+        seed_offset=1, points_of=lambda t, grid: tail_sweep(t.bm, t.bn, grid,
+                                                            hidden=args.hidden),
+        row_of=lambda p: dict(tiles=p.tiles, waves=round(p.waves, 6), fill=p.fill,
+                              point="whole" if p.fill == 1.0 else "partial"))
 
 
 def measure_fills(args, device, timed_interleaved, base: HardwareProfile,
                   tiles) -> List[dict]:
-    """The part-filled tile sweep (module docstring "tile fill"): for each tile (a
-    `ops.triton_gemm2_gatherrs.TileConfig`) and each F in --fill-ffn, the GEMM2 tiles alone
-    (`_Call.gemm_only` on the plan's grid) on every `bench.workloads.fill_sweep` point (the
-    same tiles and whole waves, r of BM rows valid in each), the points of one (tile, F)
-    timed interleaved on shared operands. Rows: tile, bm, bn, bk, tma_store, ffn,
-    valid_rows, experts, tiles, grid, waves, ms (p50). Measures with the tile times of
-    `base` (for the plan's grid alone)."""
-    import torch
+    """The part-filled tile sweep (module docstring "tile fill"): for each tile and each F in
+    --fill-ffn, the GEMM2 tiles alone on every `bench.workloads.fill_sweep` point (the same
+    tiles and whole waves, r of BM rows valid in each), timed interleaved (`_time_sweep`).
+    Rows: tile, bm, bn, bk, tma_store, ffn, grid, valid_rows, experts, tiles, waves, ms
+    (p50)."""
+    from megatron_overlap.bench.workloads import fill_sweep
 
-    from megatron_overlap.bench.workloads import fill_sweep, rank_rows, top1_routing_map
-    from megatron_overlap.config import GatherRSOptions
-    from megatron_overlap.ops.triton_gemm2_gatherrs import _Call, epilogue_stores_tma
-    from megatron_overlap.resource import plan_gemm2_gatherrs
-    from megatron_overlap.symm import get_workspace
-
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    ws = get_workspace(None, hidden=args.hidden, dtype=torch.bfloat16, device=device)
-    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
-    rows = []
-    for tile in tiles:
-        shape = (tile.bm, tile.bn, tile.bk)
-        tma_store = epilogue_stores_tma(tile, args.hidden, 2)
-        if not base.has_tile_time(*shape, tma_store):
-            base = _with_placeholder_times(base, shape, tma_store)
-        probe = rank_rows([top1_routing_map([tile.bm])], tp=1, ep=1, rank=0, topk=1).meta
-        grid = plan_gemm2_gatherrs(probe, GatherRSOptions(backend="triton"), num_sms=num_sms,
-                                   hidden=args.hidden, ffn=args.fill_ffn[0],
-                                   tma_store=tma_store, profile=base, tile=shape).num_ctas
-        points = fill_sweep(tile.bm, tile.bn, grid, hidden=args.hidden)
-        metas = [rank_rows([top1_routing_map(p.rows)], tp=1, ep=1, rank=0, topk=1).meta.to(
-            device) for p in points]
-        n = max(int(m.tokens_per_local_expert.sum()) for m in metas)
-        for f in args.fill_ffn:
-            h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
-            w2 = (torch.randn(points[0].experts, args.hidden, f, generator=gen, device=device)
-                  / f**0.5).to(torch.bfloat16)
-            calls = []
-            for p, meta in zip(points, metas):
-                plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"),
-                                           num_sms=num_sms, hidden=args.hidden, ffn=f,
-                                           tma_store=tma_store, profile=base, tile=shape)
-                call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype,
-                             device=device, timeout_s=30.0, tile=tile)
-                call.run(h[:int(meta.tokens_per_local_expert.sum())], w2)
-                if plan.breakdown.local_tiles != p.tiles or plan.num_ctas != grid:
-                    raise RuntimeError(
-                        f"fill sweep {tile.name}: the plan has {plan.breakdown.local_tiles} "
-                        f"tiles on a grid of {plan.num_ctas}, the point expected {p.tiles} on "
-                        f"{grid}")
-                calls.append((p, plan, call))
-            times = timed_interleaved([lambda c=c, g=pl.num_ctas: c.gemm_only(g)
-                                       for _, pl, c in calls], args.warmup, args.iters,
-                                      args.queue_ms)
-            for (p, _, _), t in zip(calls, times):
-                rows.append(dict(tile=tile.name, bm=tile.bm, bn=tile.bn, bk=tile.bk,
-                                 tma_store=tma_store, ffn=f, valid_rows=p.valid_rows,
-                                 experts=p.experts, tiles=p.tiles, grid=grid, waves=p.waves,
-                                 ms=t["p50"]))
-            del h, w2, calls, times
-            torch.cuda.empty_cache()
-    return rows
+    return _time_sweep(
+        args, device, timed_interleaved, base, tiles, what="fill sweep", ffns=args.fill_ffn,
+        seed_offset=2, points_of=lambda t, grid: fill_sweep(t.bm, t.bn, grid,
+                                                            hidden=args.hidden),
+        row_of=lambda p: dict(valid_rows=p.valid_rows, experts=p.experts, tiles=p.tiles,
+                              waves=p.waves))
 
 
 def measure_link(args, device, timed, num_sms: int):
