@@ -526,6 +526,99 @@ int64_t scale_tau(int64_t tau, int64_t fill_ppm) {
   return std::max<int64_t>(1, (2 * tau * fill_ppm + kIdleWhole) / (2 * kIdleWhole));
 }
 
+constexpr int64_t kMaxStreamBytes = int64_t(1) << 40;
+
+// The call's mean tile time with the streaming term (model.stream_tau_ps, the same integer
+// arithmetic): per (expert, chunk) block, floor(n / bm) full tiles and one of r = n mod bm
+// rows, each at max(tau x fill, G x u / B_s), u the tile's HBM bytes x 10^6 (the expert's
+// weight slice once plus q for each of its other row blocks, shared by its N row blocks;
+// the rows' activations shared by the column tiles; the outputs). fill may be None.
+int64_t stream_tau(const py::array& counts_in, int64_t bm, int64_t bn, int64_t hidden,
+                   int64_t ffn, int64_t elem, int64_t g, int64_t tau, py::object fill_obj,
+                   int64_t stream_mbps, int64_t reread) {
+  check_range("tau_ps", tau, 1, kMaxTimePs);
+  check_range("stream_mbps", stream_mbps, 0, int64_t(1) << 40);
+  check_range("reread_ppm", reread, 0, kIdleWhole);
+  check_range("bm", bm, 1, int64_t(1) << 20);
+  check_range("bn", bn, 1, int64_t(1) << 20);
+  check_range("hidden", hidden, 1, int64_t(1) << 30);
+  check_range("ffn", ffn, 1, int64_t(1) << 30);
+  check_range("elem_bytes", elem, 1, 16);
+  check_range("num_ctas", g, 1, kMaxCtas);
+  const int64_t mean_fill =
+      fill_obj.is_none() ? kIdleWhole : fill_ppm_of_call(counts_in, bm, py::array(fill_obj));
+  if (stream_mbps == 0) return scale_tau(tau, mean_fill);
+  const std::pair<const char*, int64_t> blocks_[3] = {
+      {"BN x F x elem_bytes", bn * ffn * elem}, {"BM x F x elem_bytes", bm * ffn * elem},
+      {"BM x BN x elem_bytes", bm * bn * elem}};
+  for (const auto& b : blocks_) {
+    if (b.second > kMaxStreamBytes) {
+      fail(std::string(b.first) + "=" + std::to_string(b.second) + ": expected at most " +
+           std::to_string(kMaxStreamBytes) + " bytes");
+    }
+  }
+  const char kind = counts_in.dtype().kind();
+  if (counts_in.ndim() != 2 || (kind != 'i' && kind != 'u')) {
+    fail("rows_per_expert_per_chunk must be an integer [L, R] array");
+  }
+  auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(counts_in);
+  const int64_t rows_n = counts.ndim() == 2 ? counts.shape(0) : 0;
+  const int64_t cols_n = counts.ndim() == 2 ? counts.shape(1) : 0;
+  const int64_t* c = counts.data();
+  int64_t all_blocks = 0;
+  for (int64_t i = 0; i < rows_n * cols_n; ++i) {
+    if (c[i] < 0) fail("rows_per_expert_per_chunk has a negative count " + std::to_string(c[i]));
+    if (c[i] / bm > kMaxTiles) fail("more than " + std::to_string(kMaxTiles) + " row blocks");
+    all_blocks += cdiv(c[i], bm);
+    if (all_blocks > kMaxTiles) fail("more than " + std::to_string(kMaxTiles) + " row blocks");
+  }
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> table;
+  const int64_t* f = nullptr;
+  if (!fill_obj.is_none()) {
+    table = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(fill_obj);
+    f = table.data();
+  }
+  const int64_t col_tiles = cdiv(hidden, bn);
+  const u128 weights = u128(bn * ffn * elem);
+  const u128 whole = u128(kIdleWhole);
+  auto tile_ps = [&](int64_t r, u128 u_b) -> u128 {
+    const u128 t = (f == nullptr || r == bm)
+                       ? u128(tau)
+                       : std::max<u128>(1, (2 * u128(tau) * u128(f[r]) + whole) / (2 * whole));
+    const u128 u = u_b + u128(r * ffn * elem) * whole / u128(col_tiles) +
+                   u128(r * bn * elem) * whole;
+    return std::max<u128>(t, u128(g) * u / u128(stream_mbps));
+  };
+  u128 total = 0;
+  int64_t blocks = 0;
+  for (int64_t l = 0; l < rows_n; ++l) {
+    const int64_t* row = c + l * cols_n;
+    int64_t n_blocks = 0;
+    for (int64_t j = 0; j < cols_n; ++j) n_blocks += cdiv(row[j], bm);
+    if (n_blocks == 0) continue;
+    const u128 u_b = weights * (whole + u128(n_blocks - 1) * u128(reread)) / u128(n_blocks);
+    const u128 full_ps = tile_ps(bm, u_b);
+    for (int64_t j = 0; j < cols_n; ++j) {
+      const int64_t full = row[j] / bm, rem = row[j] % bm;
+      total += u128(full) * full_ps;
+      blocks += full;
+      if (rem) {
+        total += tile_ps(rem, u_b);
+        ++blocks;
+      }
+    }
+  }
+  if (blocks == 0) return tau;
+  const u128 mean = (2 * total + u128(blocks)) / (2 * u128(blocks));
+  if (mean > u128(kMaxTimePs)) {
+    fail("the call's mean tile time " +
+         std::to_string(static_cast<unsigned long long>(
+             mean > u128(~0ULL) ? ~0ULL : static_cast<unsigned long long>(mean))) +
+         " ps: expected at most " + std::to_string(kMaxTimePs) + " ps");
+  }
+  return int64_t(mean);
+}
+
 // One plan's model in one call: count_tiles, make_problem, solve (or gemm_end_ps for an
 // override k), the breakdown's three terms at the chosen k and, with routed counts, the
 // combine mode's times (model.plan_call is the Python twin, same results).
@@ -534,12 +627,13 @@ py::tuple plan_call(py::array counts_in, int64_t local_chunk, int64_t bm, int64_
                     double alpha, double beta, int64_t o_p, int64_t o_ref, double b_link,
                     double b_cta, int64_t override_k, py::object routed, int64_t tp,
                     int64_t ep, int64_t topk, int64_t mode_g, int64_t mode_tau,
-                    double b_hbm, int64_t idle, py::object fill) {
+                    double b_hbm, int64_t idle, py::object fill, int64_t stream_mbps,
+                    int64_t reread) {
   const TileCounts t = count_tiles_impl(counts_in, local_chunk, bm, bn, hidden);
   Problem p = make_problem_impl(g, t.remote, t.local, t.remote_rows, hidden, elem, ffn, bk,
                                 alpha, beta, o_p, o_ref, b_link, b_cta);
-  if (!fill.is_none()) {
-    p.tau = scale_tau(p.tau, fill_ppm_of_call(counts_in, bm, py::array(fill)));
+  if (!fill.is_none() || stream_mbps != 0) {
+    p.tau = stream_tau(counts_in, bm, bn, hidden, ffn, elem, g, p.tau, fill, stream_mbps, reread);
   }
   p.idle = check_range("idle_ppm", idle, 0, kIdleWhole);
   int64_t k, end;
@@ -597,7 +691,12 @@ PYBIND11_MODULE(_solver, m) {
         py::arg("link_bandwidth_gbps"), py::arg("cta_bandwidth_gbps"), py::arg("override_k"),
         py::arg("routed_counts"), py::arg("tp_size"), py::arg("ep_size"), py::arg("topk"),
         py::arg("mode_num_ctas"), py::arg("mode_tile_ps"), py::arg("hbm_bandwidth_gbps"),
-        py::arg("idle_ppm") = kIdleWhole, py::arg("fill_ppm") = py::none());
+        py::arg("idle_ppm") = kIdleWhole, py::arg("fill_ppm") = py::none(),
+        py::arg("stream_mbps") = 0, py::arg("reread_ppm") = 0);
+  m.def("stream_tau_ps", &stream_tau, py::arg("rows_per_expert_per_chunk"), py::arg("bm"),
+        py::arg("bn"), py::arg("hidden"), py::arg("ffn"), py::arg("elem_bytes"),
+        py::arg("num_ctas"), py::arg("tau"), py::arg("fill_ppm"), py::arg("stream_mbps"),
+        py::arg("reread_ppm"));
   m.def("fill_ppm_of_call", [](py::array counts, int64_t bm, py::object fill) -> int64_t {
     return fill.is_none() ? kIdleWhole : fill_ppm_of_call(counts, bm, py::array(fill));
   }, py::arg("rows_per_expert_per_chunk"), py::arg("bm"), py::arg("fill_ppm"));

@@ -42,6 +42,13 @@ written, every rank measures alike at the same time, as in the fused op):
              resource model scales a call's tile time by its tiles' mean cost; on one H100
              0.87-0.93 at r <= BM/4 and F <= 1408, 0.93-1.0 at F = 6400,
              docs/perf_notes.md v6.6);
+  streaming  for each swept tile, each --hidden and each F in --stream-ffn (since v6.7), the
+             GEMM2 on `bench.workloads.stream_sweep`'s points: whole waves of full tiles,
+             experts of 1, 2 and 3 row blocks, timed interleaved: the one-block points'
+             bytes per wave over their time is the entry's `stream_gbps` (each weight
+             slice read once), and the re-read fraction that fits the 2- and 3-block
+             points its `reread` (`fit_stream`; the resource model prices each tile at
+             the larger of its compute time and its HBM bytes at that bandwidth);
   peer stores  `kernels.peer_store` with k CTAs for k in --ctas, every rank storing
              --store-mib MiB into its neighbour's symmetric buffer at once: B_link = the
              largest bandwidth seen, B_cta = the largest bandwidth per CTA at k <= 4;
@@ -106,7 +113,11 @@ two coarse models' depths."""
 DEFAULT_FILL_FFN = (768, 1408, 6400)
 """The F of the part-filled tile sweep: the fine-grained models' depths, where experts get
 few rows and many tiles are part-filled, and one coarse one."""
+DEFAULT_STREAM_FFN = (768, 1408, 6400)
+"""The F of the weight-streaming sweep: as the part-filled one's."""
 DEFAULT_CTAS = (1, 2, 4, 8, 16, 32, 64, 0)  # 0: the whole grid (one CTA per SM)
+STREAM_ELEM_BYTES = 2
+"""Element size of the sweeps' operands (bf16)."""
 
 
 def fit_tile_time(ksteps: Sequence[int], tau_us: Sequence[float]) -> Tuple[float, float]:
@@ -186,6 +197,64 @@ def fit_fill_cost(rows: Sequence[dict]) -> Tuple[Tuple[int, float], ...]:
     points = sorted((r, min(1.0, max(1e-4, float(np.mean(v))))) for r, v in ratios.items())
     costs = monotone_fit([c for _, c in points])
     return tuple((r, round(c, 4)) for (r, _), c in zip(points, costs))
+
+
+def stream_tile_bytes(bm: int, bn: int, hidden: int, ffn: int, row_blocks: int,
+                      reread: float, elem_bytes: int = STREAM_ELEM_BYTES) -> float:
+    """HBM bytes of one full tile of an expert with `row_blocks` row blocks, as the
+    resource model counts them (`resource.model.stream_tau_ps`, there in integers): the
+    BN-column weight slice once plus `reread` of it for each other row block, shared by
+    the row blocks; the BM rows' activations, shared by the ceil(H / BN) column tiles; the
+    BM x BN outputs."""
+    cols = -(-hidden // bn)
+    return (bn * ffn * elem_bytes * (1.0 + (row_blocks - 1) * reread) / row_blocks
+            + bm * ffn * elem_bytes / cols + bm * bn * elem_bytes)
+
+
+def fit_stream(rows: Sequence[dict], alpha_us: float, beta_us: float) -> Tuple[float, float]:
+    """(`TileTime.stream_gbps`, `reread`) of one tile entry from its streaming sweep rows
+    (`measure_streams`; each: bm, bn, bk, hidden, ffn, grid, row_blocks, waves, ms) and
+    the entry's fitted tile time alpha + beta x ceil(F / BK) (us). stream_gbps: the mean
+    over F of the one-row-block points' G x bytes per tile / time per wave (each weight
+    slice read once, by one tile), rounded to 0.1 GB/s. reread: the q in 0, 0.01, .., 1
+    whose model time per wave, max(tau(F), G x bytes(q) / stream_gbps), is nearest (least
+    squares of the relative error) the points of 2 and more row blocks; the smallest q
+    of the least error, so 0 where every such point is compute-bound (the term then
+    cannot tell). No multi-block point: 0.
+
+    Raises:
+        ValueError: no one-row-block point, a time <= 0.
+    """
+    if any(not r["ms"] > 0 for r in rows):
+        raise ValueError(f"streaming sweep: expected times > 0, got "
+                         f"{[(r['row_blocks'], r['ffn'], r['ms']) for r in rows]}")
+    ones = [r for r in rows if r["row_blocks"] == 1]
+    if not ones:
+        raise ValueError(f"streaming sweep: no one-row-block point among "
+                         f"{sorted({r['row_blocks'] for r in rows})}")
+
+    def per_wave_us(r):
+        return r["ms"] * 1e3 / r["waves"]
+
+    gbps = float(np.mean([
+        r["grid"] * stream_tile_bytes(r["bm"], r["bn"], r["hidden"], r["ffn"], 1, 0.0)
+        / (per_wave_us(r) * 1e3) for r in ones]))
+    gbps = round(gbps, 1)
+    multi = [r for r in rows if r["row_blocks"] > 1]
+    if not multi:
+        return gbps, 0.0
+    best = None
+    for i in range(101):
+        q = i / 100
+        err = 0.0
+        for r in multi:
+            tau = alpha_us + beta_us * -(-r["ffn"] // r["bk"])
+            mem = (r["grid"] * stream_tile_bytes(r["bm"], r["bn"], r["hidden"], r["ffn"],
+                                                 r["row_blocks"], q) / (gbps * 1e3))
+            err += (max(tau, mem) / per_wave_us(r) - 1.0) ** 2
+        if best is None or err < best[0] - 1e-12:
+            best = (err, q)
+    return gbps, best[1]
 
 
 def monotone_fit(values: Sequence[float]) -> List[float]:
@@ -277,7 +346,8 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
                   store_rows: List[dict], hbm_gbps: float, launch_us: float,
                   latency_us: float, source: str, link_from_base: bool,
                   tail_rows: Sequence[dict] = (),
-                  fill_rows: Sequence[dict] = ()) -> HardwareProfile:
+                  fill_rows: Sequence[dict] = (),
+                  stream_rows: Sequence[dict] = ()) -> HardwareProfile:
     """The profile from the measured rows (`tile_rows`: bm, bn, bk (absent: `DEFAULT_TILE`),
     ksteps, tau_us, ctas_per_sm, tma_store (absent: False) and hidden (absent: None), one
     tile_times entry fitted per tile shape, epilogue and H, the default tile's first, each
@@ -287,7 +357,10 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
     (whole waves) for one without any, which `extra.idle_wave_cost_measured` lists as
     false; `fill_rows`: the part-filled tile sweep (`measure_fills`), each entry's
     `fill_cost` fitted from the rows of its own shape, epilogue and H (`fit_fill_cost`),
-    empty (every tile priced as a full one) for an entry without any)."""
+    empty (every tile priced as a full one) for an entry without any; `stream_rows`: the
+    weight-streaming sweep (`measure_streams`), each entry's `stream_gbps` and `reread`
+    fitted from the rows of its own shape, epilogue and H (`fit_stream`, with the entry's
+    fitted tile time), 0 and 0 (no streaming term) for an entry without any)."""
     bm, bn, bk = DEFAULT_TILE
     entries = []
     measured_idle: Dict[str, bool] = {}
@@ -300,11 +373,15 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         idle = fit_idle_wave_cost(tails) if tails else 1.0
         fills = [r for r in fill_rows if _entry_key(r) == key]
         measured_idle[f"{key[0]}x{key[1]}x{key[2]}{'tma' if key[3] else ''}"] = bool(tails)
+        alpha, beta = round(alpha, 4), round(beta, 5)
+        streams = [r for r in stream_rows if _entry_key(r) == key]
+        stream_gbps, reread = fit_stream(streams, alpha, beta) if streams else (0.0, 0.0)
         entries.append(TileTime(bm=key[0], bn=key[1], bk=key[2],
                                 ctas_per_sm=rows[0]["ctas_per_sm"],
-                                alpha_us=round(alpha, 4), beta_us=round(beta, 5),
+                                alpha_us=alpha, beta_us=beta,
                                 tma_store=key[3], idle_wave_cost=idle, hidden=key[4],
-                                fill_cost=fit_fill_cost(fills) if fills else ()))
+                                fill_cost=fit_fill_cost(fills) if fills else (),
+                                stream_gbps=stream_gbps, reread=reread))
     # A TMA-store time not measured here (no --tma-store): the base's, where it has one (at
     # every H it has one for), so that a re-calibration without the flag does not drop it
     # (`tma_store_copied_from_base`).
@@ -330,6 +407,7 @@ def build_profile(name: str, base: HardwareProfile, gpu: GpuLimits, tile_rows: L
         prereduce_host_us=base.prereduce_host_us, provisional=False, source=source,
         extra={"tile_sweep": tile_rows, "tail_sweep": list(tail_rows),
                **({"fill_sweep": list(fill_rows)} if fill_rows else {}),
+               **({"stream_sweep": list(stream_rows)} if stream_rows else {}),
                "idle_wave_cost_measured": measured_idle, "peer_store_sweep": store_rows,
                "link_values_copied_from_base": link_from_base,
                "tma_store_copied_from_base": copied_tma,
@@ -410,6 +488,36 @@ def synthetic_fills(base: HardwareProfile, fill_ffns, num_sms: int, hidden: int,
                                  tma_store=tma, ffn=f, valid_rows=p.valid_rows,
                                  experts=p.experts, tiles=p.tiles, grid=num_sms,
                                  waves=p.waves, ms=p.waves * tau_ms * cost, hidden=hidden))
+    return rows
+
+
+def synthetic_streams(base: HardwareProfile, stream_ffns, num_sms: int, hidden: int,
+                      tma_store: bool = False, tiles=()) -> List[dict]:
+    """--dry-run: the streaming sweep's rows (`measure_streams`) a GPU run would produce if
+    the base profile were exact: each point's time per wave max(tau(F), G x bytes /
+    stream_gbps) from the base's entry nearest `hidden` (its tau alone where the entry has
+    no streaming term), G = `num_sms` (one CTA per SM)."""
+    from megatron_overlap.bench.workloads import stream_sweep
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TILE as REGISTER_TILE
+    from megatron_overlap.ops.triton_gemm2_gatherrs import DEFAULT_TMA_TILE
+
+    rows = []
+    sweeps = [(REGISTER_TILE, False)] + ([(DEFAULT_TMA_TILE, True)] if tma_store else [])
+    for config, tma in sweeps + [(t, t.tma_store) for t in tiles]:
+        shape = (config.bm, config.bn, config.bk)
+        t = _synthetic_tile_time(base, shape, tma, hidden)
+        for f in stream_ffns:
+            tau_us = t.alpha_us + t.beta_us * -(-f // shape[2])
+            for p in stream_sweep(config.bm, config.bn, num_sms, hidden=hidden):
+                wave_us = tau_us
+                if t.stream_gbps > 0 and t.bm == config.bm and t.bn == config.bn:
+                    wave_us = max(tau_us, num_sms * stream_tile_bytes(
+                        config.bm, config.bn, hidden, f, p.row_blocks, t.reread)
+                        / (t.stream_gbps * 1e3))
+                rows.append(dict(tile=config.name, bm=shape[0], bn=shape[1], bk=shape[2],
+                                 tma_store=tma, ffn=f, grid=num_sms, row_blocks=p.row_blocks,
+                                 experts=p.experts, tiles=p.tiles, waves=p.waves,
+                                 ms=p.waves * wave_us * 1e-3, hidden=hidden))
     return rows
 
 
@@ -582,7 +690,7 @@ def _time_sweep(args, device, timed_interleaved, base: HardwareProfile, tiles, *
         metas = [rank_rows([top1_routing_map(p.rows)], tp=1, ep=1, rank=0, topk=1).meta.to(
             device) for p in points]
         n = max(int(m.tokens_per_local_expert.sum()) for m in metas)
-        experts = len(points[0].rows)
+        experts = max(len(p.rows) for p in points)  # a point of fewer takes the first ones
         for f in ffns:
             h = (torch.randn(n, f, generator=gen, device=device) * 0.1).to(torch.bfloat16)
             w2 = (torch.randn(experts, args.hidden, f, generator=gen, device=device)
@@ -594,7 +702,7 @@ def _time_sweep(args, device, timed_interleaved, base: HardwareProfile, tiles, *
                                            tma_store=tma_store, profile=base, tile=shape)
                 call = _Call(meta, ws, plan, hidden=args.hidden, dtype=h.dtype,
                              device=device, timeout_s=30.0, tile=tile)
-                call.run(h[:int(meta.tokens_per_local_expert.sum())], w2)
+                call.run(h[:int(meta.tokens_per_local_expert.sum())], w2[:len(p.rows)])
                 if plan.breakdown.local_tiles != p.tiles or plan.num_ctas != grid:
                     raise RuntimeError(
                         f"{what} {tile.name}: the plan has {plan.breakdown.local_tiles} "
@@ -644,6 +752,23 @@ def measure_fills(args, device, timed_interleaved, base: HardwareProfile,
         seed_offset=2, points_of=lambda t, grid: fill_sweep(t.bm, t.bn, grid,
                                                             hidden=args.hidden),
         row_of=lambda p: dict(valid_rows=p.valid_rows, experts=p.experts, tiles=p.tiles,
+                              waves=p.waves))
+
+
+def measure_streams(args, device, timed_interleaved, base: HardwareProfile,
+                    tiles) -> List[dict]:
+    """The weight-streaming sweep (module docstring "streaming"): for each tile and each F
+    in --stream-ffn, the GEMM2 tiles alone on every `bench.workloads.stream_sweep` point
+    (experts of 1, 2, 3 full row blocks, whole waves), timed interleaved (`_time_sweep`).
+    Rows: tile, bm, bn, bk, tma_store, ffn, grid, row_blocks, experts, tiles, waves, ms
+    (p50)."""
+    from megatron_overlap.bench.workloads import stream_sweep
+
+    return _time_sweep(
+        args, device, timed_interleaved, base, tiles, what="streaming sweep",
+        ffns=args.stream_ffn, seed_offset=3,
+        points_of=lambda t, grid: stream_sweep(t.bm, t.bn, grid, hidden=args.hidden),
+        row_of=lambda p: dict(row_blocks=p.row_blocks, experts=p.experts, tiles=p.tiles,
                               waves=p.waves))
 
 
@@ -749,6 +874,12 @@ def main(argv=None) -> int:
                         help="GEMM depths F of the part-filled tile sweep that measures each "
                              "tile's fill_cost, at every --hidden (none: --fill-ffn with no "
                              "value; the entries then price every tile as a full one)")
+    parser.add_argument("--stream-ffn", nargs="*", type=positive_int,
+                        default=list(DEFAULT_STREAM_FFN),
+                        help="GEMM depths F of the weight-streaming sweep that measures each "
+                             "tile's stream_gbps and reread, at every --hidden (none: "
+                             "--stream-ffn with no value; the entries then have no "
+                             "streaming term)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: fit and write from values generated by --base's model")
     args = parser.parse_args(argv)
@@ -787,12 +918,14 @@ def main(argv=None) -> int:
                                     args.tma_store, extra_tiles)
         fill_rows = [r for hidden in args.hidden for r in synthetic_fills(
             base, args.fill_ffn, num_sms, hidden, args.tma_store, extra_tiles)]
+        stream_rows = [r for hidden in args.hidden for r in synthetic_streams(
+            base, args.stream_ffn, num_sms, hidden, args.tma_store, extra_tiles)]
         profile = build_profile(
             args.name or base.name, base, base.gpu, tile_rows, store_rows, base.hbm_bandwidth_gbps,
             base.launch_overhead_us, base.store_latency_us,
             source=f"launch/calibrate.py --dry-run {stamp}: generated from {base.name}, "
                    "nothing measured", link_from_base=False, tail_rows=tail_rows,
-            fill_rows=fill_rows)
+            fill_rows=fill_rows, stream_rows=stream_rows)
         profile = dataclasses.replace(profile, provisional=True)
         save_profile(profile, args.out, header="DRY RUN: values generated from the base "
                                                "profile's model, not measured")
@@ -835,6 +968,8 @@ def main(argv=None) -> int:
         at[0], device, bench_op.timed_interleaved, base, swept)] if args.tail_ffn else [])
     fill_rows = ([dict(r, hidden=a.hidden) for a in at for r in measure_fills(
         a, device, bench_op.timed_interleaved, base, swept)] if args.fill_ffn else [])
+    stream_rows = ([dict(r, hidden=a.hidden) for a in at for r in measure_streams(
+        a, device, bench_op.timed_interleaved, base, swept)] if args.stream_ffn else [])
     hbm_gbps, launch_us = measure_local(at[0], device, bench_op.timed)
     world = dist.get_world_size()
     if world > 1:
@@ -846,7 +981,8 @@ def main(argv=None) -> int:
                   f"{stamp}, git {bench_op.git_sha()[:12]}, torch {torch.__version__}")
         profile = build_profile(name, base, gpu, tile_rows, store_rows, hbm_gbps,
                                 launch_us, latency_us, source, link_from_base=world == 1,
-                                tail_rows=tail_rows, fill_rows=fill_rows)
+                                tail_rows=tail_rows, fill_rows=fill_rows,
+                                stream_rows=stream_rows)
         header = (f"Calibrated: {source}.\n"
                   + ("Link values copied from the base profile (one rank).\n" if world == 1
                      else "")
@@ -876,7 +1012,9 @@ def _print(p: HardwareProfile) -> None:
               f"tau = {t.alpha_us:.3f} + {t.beta_us:.4f} * ceil(F/{t.bk}) us at "
               f"{t.ctas_per_sm} CTA/SM, idle_wave_cost {t.idle_wave_cost:.3f}"
               + (", fill_cost " + " ".join(f"{r}:{c:.3f}" for r, c in t.fill_cost)
-                 if t.fill_cost else ""))
+                 if t.fill_cost else "")
+              + (f", stream {t.stream_gbps:.0f} GB/s, reread {t.reread:.2f}"
+                 if t.stream_gbps else ""))
     print(f"B_link {p.link_bandwidth_gbps:.0f} GB/s | B_cta "
           f"{p.cta_bandwidth_gbps:.2f} GB/s | HBM {p.hbm_bandwidth_gbps:.0f} GB/s | launch "
           f"{p.launch_overhead_us:.1f} us | store latency {p.store_latency_us:.2f} us | "
@@ -899,6 +1037,10 @@ def _print(p: HardwareProfile) -> None:
         print(f"  fill {r['tile']} H={r.get('hidden')} F={r['ffn']:>6} rows={r['valid_rows']:>4}"
               f"/{r['bm']} {r['ms']:.4f} ms" + (f" ({r['ms'] / ref:.3f} of a full tile)"
                                                   if ref else ""))
+    for r in extra.get("stream_sweep", []):
+        print(f"  stream {r['tile']} H={r.get('hidden')} F={r['ffn']:>6} row blocks="
+              f"{r['row_blocks']} experts={r['experts']:>4} {r['ms'] * 1e3 / r['waves']:.2f} "
+              "us per wave")
     for r in extra.get("peer_store_sweep", []):
         print(f"  peer stores, {r['ctas']:>4} CTAs: {r['gbps']:.1f} GB/s")
 

@@ -12,8 +12,9 @@ planner's default occupancy, as before a call's first launch). A choice is right
 chosen tile's measured producer time is within --tie of the fastest measured variant
 among the tiles the planner compared. Prints one line per workload and, per profile, how
 many choices were right, and the tile the GPU run itself chose (`gemm2_tile`, with the
-profile it ran with: replayed with that profile, the two agree); exits 2 where the rows
-have no variant timings.
+profile it ran with: replayed with that profile, the two agree); then, per tile, how far
+the model's GEMM2 term (the tiles' waves alone) is from that tile's measured producer time
+(`gemm_accuracy`). Exits 2 where the rows have no variant timings.
 
 Rows at world > 1 are skipped (the group's choice needs every rank's counts; bench_op's
 JSONL has one rank's). Profile: a shipped name (configs/hardware) or a YAML path.
@@ -84,6 +85,36 @@ def replay(workloads, profile, *, num_sms: int, seed: int, tie: float):
     return results
 
 
+def gemm_accuracy(workloads, profile, *, num_sms: int, seed: int):
+    """{tile name: [(workload key, the model's GEMM2 term / the measured producer time)]}
+    for every measured tile the profile has a tile time for: `resource.plan_gemm2_gatherrs`
+    for that tile at the planner's default occupancy (`PlanBreakdown.gemm_us`, the waves of
+    tiles alone, which is what `nocomm[<tile>]` times)."""
+    from megatron_overlap.bench.workloads import rank_rows, routing_maps
+    from megatron_overlap.config import GatherRSOptions
+    from megatron_overlap.ops import triton_gemm2_gatherrs as op
+    from megatron_overlap.resource import plan_gemm2_gatherrs
+    from megatron_overlap.resource.profile import HardwareProfile, load_profile
+
+    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    configs = {t.name: t for t in (op.DEFAULT_TILE, op.DEFAULT_TMA_TILE, *op.TILE_CANDIDATES)}
+    out = defaultdict(list)
+    for key, times in sorted(workloads.items()):
+        _, tokens, hidden, ffn, experts, topk, routing = key
+        maps = routing_maps([tokens], experts, topk, routing, seed=seed)
+        meta = rank_rows(maps, tp=1, ep=1, rank=0, topk=topk).meta
+        for name, ms in sorted(times.items()):
+            t = configs.get(name)
+            if t is None or not prof.has_tile_time(t.bm, t.bn, t.bk, t.tma_store):
+                continue
+            plan = plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton"),
+                                       num_sms=num_sms, hidden=hidden, ffn=ffn, elem_bytes=2,
+                                       profile=prof, tile=(t.bm, t.bn, t.bk),
+                                       tma_store=t.tma_store)
+            out[name].append((key, plan.breakdown.gemm_us / (ms * 1e3)))
+    return dict(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("jsonl", nargs="+", help="bench_op JSONL files (rows with --variants)")
@@ -118,6 +149,12 @@ def main(argv=None) -> int:
             print(f"  {key[0]:<20} {key[1]:>6}  chose {chosen:<20} {'right' if right else 'WRONG'}"
                   f"  (the GPU run chose {gpu})  measured ms: {measured}  predicted us: {pred}")
         print(f"  right on {sum(r for *_, r in results)} of {len(results)}")
+        for name, ratios in gemm_accuracy(workloads, profile, num_sms=args.num_sms,
+                                          seed=args.seed).items():
+            err = [abs(r - 1.0) for _, r in ratios]
+            worst = max(ratios, key=lambda kr: abs(kr[1] - 1.0))
+            print(f"  GEMM2 term / measured {name}: mean |error| {sum(err) / len(err):.3f} "
+                  f"over {len(err)}, worst {worst[1]:.2f} ({worst[0][0]} {worst[0][1]})")
     return 0
 
 

@@ -264,6 +264,63 @@ def fill_sweep(bm: int, bn: int, grid: int, *, hidden: int, min_waves: int = 8,
     return points
 
 
+@dataclass(frozen=True)
+class StreamPoint:
+    """One workload of the weight-streaming sweep (`stream_sweep`): `experts` experts of
+    `row_blocks` x BM rows each (every tile full), `tiles` tiles in `waves` whole waves."""
+
+    row_blocks: int
+    bm: int
+    experts: int
+    tiles: int
+    waves: int
+
+    @property
+    def rows(self) -> Tuple[int, ...]:
+        """Rows per expert (`top1_routing_map`'s input)."""
+        return (self.row_blocks * self.bm,) * self.experts
+
+
+STREAM_ROW_BLOCKS = (1, 2, 3)
+"""Row blocks per expert of the streaming sweep: 1 measures the streaming bandwidth (each
+weight slice read by one tile), 2 and 3 what the L2 keeps of it for the next row block."""
+
+
+def stream_sweep(bm: int, bn: int, grid: int, *, hidden: int, min_waves: int = 8,
+                 row_blocks: Sequence[int] = STREAM_ROW_BLOCKS) -> List[StreamPoint]:
+    """The workloads that measure a tile's weight-streaming cost (`launch/calibrate.py
+    --stream-ffn`, `TileTime.stream_gbps` and `reread`): for each m in `row_blocks`,
+    experts of m x BM rows each (full tiles only), m x ceil(H / BN) tiles per expert, and
+    as many experts as make N whole waves of G = `grid` CTAs (N the smallest multiple of
+    m ceil(H / BN) / gcd(G, m ceil(H / BN)) >= `min_waves`). Few rows per expert, as in a
+    fine-grained MoE at a few thousand tokens (docs/perf_notes.md v6.6): every expert's
+    weights are read for only m row blocks.
+
+    Returns:
+        One point per m, in the order of `row_blocks`.
+
+    Raises:
+        ValueError: a size < 1, no row-block count, or one that is not an int >= 1.
+    """
+    for name, value in (("bm", bm), ("bn", bn), ("grid", grid), ("hidden", hidden),
+                        ("min_waves", min_waves)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    if not row_blocks or any(isinstance(m, bool) or not isinstance(m, int) or m < 1
+                             for m in row_blocks):
+        raise ValueError(f"row_blocks={list(row_blocks)}: expected ints >= 1")
+    cols = -(-hidden // bn)
+    points = []
+    for m in dict.fromkeys(row_blocks):
+        per_expert = m * cols
+        step = per_expert // math.gcd(grid, per_expert)
+        waves = -(-min_waves // step) * step
+        experts = waves * grid // per_expert
+        points.append(StreamPoint(row_blocks=m, bm=bm, experts=experts,
+                                  tiles=experts * per_expert, waves=waves))
+    return points
+
+
 def top1_routing_map(rows_per_expert: Sequence[int]) -> torch.Tensor:
     """[T, E] bool top-1 routing map with `rows_per_expert[e]` tokens on expert e
     (contiguous token ranges), T = their sum.

@@ -115,8 +115,10 @@ class PlanBreakdown:
     """o_p: resident CTAs per SM of the kernel."""
     tile_us: float
     """tau: the mean time of the call's tiles with all G CTAs busy (the profile's
-    alpha + beta x ceil(F / BK), scaled by o_p / o_ref and, where the entry has a
-    `fill_cost`, by the call's mean tile cost: `resource.model.fill_ppm_of_call`)."""
+    alpha + beta x ceil(F / BK), scaled by o_p / o_ref; where the entry has a `fill_cost`
+    or a `stream_gbps`, the mean over the call's tiles of the larger of that time (scaled
+    by the tile's fill cost) and its HBM bytes at the streaming bandwidth:
+    `resource.model.stream_tau_ps`)."""
     remote_tile_us: float
     """tau_r(k) = max(tau, k * b / B_link, b / B_cta)."""
     remote_bound_us: float
@@ -338,7 +340,7 @@ def plan_gemm2_gatherrs(
         prof.link_bandwidth_gbps, prof.cta_bandwidth_gbps, 0 if override is None else override,
         meta.routed_counts if auto else None, meta.tp_size, meta.ep_size, meta.topk or 1,
         num_sms * ref_ctas, tau_ref_ps, prof.hbm_bandwidth_gbps, tile_time.idle_ppm,
-        tile_time.fill_ppm_table)
+        tile_time.fill_ppm_table, tile_time.stream_mbps, tile_time.reread_ppm)
     source = "override" if override is not None else "model" if remote_tiles else "no-remote"
     if recv_rows is None:
         recv_rows = int(meta.rows_per_expert_per_chunk.sum())

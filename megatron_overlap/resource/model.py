@@ -243,6 +243,93 @@ def scale_tau_ps(tau: int, fill_ppm: int) -> int:
     return max(1, (2 * tau * fill_ppm + IDLE_WHOLE) // (2 * IDLE_WHOLE))
 
 
+MAX_STREAM_BYTES = 1 << 40
+"""Largest BN x F, BM x F and BM x BN operand block (bytes) `stream_tau_ps` accepts (so that
+every product it forms fits in 128 bits in the C++ solver)."""
+
+
+def stream_tau_ps(rows_per_expert_per_chunk, bm: int, bn: int, hidden: int, ffn: int,
+                  elem_bytes: int, num_ctas: int, tau: int, fill_ppm, stream_mbps: int,
+                  reread_ppm: int) -> int:
+    """The mean time of the call's GEMM2 tiles with all G CTAs busy, in ps: each tile at
+    the larger of its compute time and its share of the HBM stream (docs/resource_model.md,
+    "weight streaming"; docs/perf_notes.md v6.7).
+
+    Per (expert, chunk) block of n rows: floor(n / BM) full tiles and, where r = n mod BM
+    > 0, one of r valid rows, each at max(tau x fill, G x u / B_s) (fill: `fill_ppm[r]` /
+    IDLE_WHOLE, 1 for a full tile; `scale_tau_ps`' rounding), with u the tile's HBM bytes
+    (x 10^6, integer division in this order):
+        u = BN F e (10^6 + (N - 1) q) // N + r F e 10^6 // ceil(H / BN) + r BN e 10^6
+    the expert's weight slice read once for its first row block and q / 10^6 of it again
+    for each of its other N - 1 row blocks (N: the expert's row blocks over all chunks;
+    `reread_ppm` q), the tile's activation rows read once for all its column tiles, its
+    outputs written once; B_s = `stream_mbps` (MB/s, so bytes x 10^6 / B_s is ps). The
+    mean over the blocks, rounded to nearest (ties up): every block has the same ceil(H / BN)
+    column tiles. `stream_mbps` 0: no streaming term, `scale_tau_ps(tau,
+    fill_ppm_of_call(...))` exactly (the model before v6.7). No tile at all: tau.
+
+    Raises:
+        ValueError / TypeError: a size or count out of range, a BN x F, BM x F or BM x BN
+            block above MAX_STREAM_BYTES, a bad fill table (as `fill_ppm_of_call`), a mean
+            above MAX_TIME_PS (each names the value).
+    """
+    tau = _int("tau_ps", tau, 1, MAX_TIME_PS)
+    stream_mbps = _int("stream_mbps", stream_mbps, 0, 1 << 40)
+    reread = _int("reread_ppm", reread_ppm, 0, IDLE_WHOLE)
+    bm, bn = _int("bm", bm, 1, 1 << 20), _int("bn", bn, 1, 1 << 20)
+    hidden, ffn = _int("hidden", hidden, 1, 1 << 30), _int("ffn", ffn, 1, 1 << 30)
+    elem = _int("elem_bytes", elem_bytes, 1, 16)
+    g = _int("num_ctas", num_ctas, 1, MAX_CTAS)
+    mean_fill = fill_ppm_of_call(rows_per_expert_per_chunk, bm, fill_ppm)  # checks both
+    if stream_mbps == 0:
+        return scale_tau_ps(tau, mean_fill)
+    for name, value in (("BN x F x elem_bytes", bn * ffn * elem),
+                        ("BM x F x elem_bytes", bm * ffn * elem),
+                        ("BM x BN x elem_bytes", bm * bn * elem)):
+        if value > MAX_STREAM_BYTES:
+            raise ValueError(f"{name}={value}: expected at most {MAX_STREAM_BYTES} bytes")
+    table = None if fill_ppm is None else [int(x) for x in np.asarray(fill_ppm)]
+    counts = np.asarray(rows_per_expert_per_chunk)
+    if counts.ndim != 2 or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"rows_per_expert_per_chunk must be an integer [L, R] array, got "
+                         f"shape {counts.shape} dtype {counts.dtype}")
+    counts = counts.astype(np.int64)
+    if counts.size and int(counts.min()) < 0:
+        raise ValueError(f"rows_per_expert_per_chunk has a negative count {int(counts.min())}")
+    if int((-(-counts // bm)).sum()) > MAX_TILES:
+        raise ValueError(f"more than {MAX_TILES} row blocks")
+    cols = _cdiv(hidden, bn)
+    weights = bn * ffn * elem
+
+    def tile_ps(r: int, u_b: int) -> int:
+        t = tau if table is None or r == bm else max(
+            1, (2 * tau * table[r] + IDLE_WHOLE) // (2 * IDLE_WHOLE))
+        u = u_b + r * ffn * elem * IDLE_WHOLE // cols + r * bn * elem * IDLE_WHOLE
+        return max(t, g * u // stream_mbps)
+
+    total = blocks = 0
+    for row in counts.tolist():
+        n_blocks = sum(_cdiv(n, bm) for n in row)
+        if n_blocks == 0:
+            continue
+        u_b = weights * (IDLE_WHOLE + (n_blocks - 1) * reread) // n_blocks
+        full_ps = tile_ps(bm, u_b)
+        for n in row:
+            full, rem = divmod(n, bm)
+            total += full * full_ps
+            blocks += full
+            if rem:
+                total += tile_ps(rem, u_b)
+                blocks += 1
+    if blocks == 0:
+        return tau
+    mean = (2 * total + blocks) // (2 * blocks)
+    if mean > MAX_TIME_PS:
+        raise ValueError(f"the call's mean tile time {mean} ps: expected at most "
+                         f"{MAX_TIME_PS} ps")
+    return mean
+
+
 # ---- the problem and its solution ----------------------------------------------------------
 
 def make_problem(num_ctas: int, remote_tiles: int, local_tiles: int, remote_rows: int,
@@ -387,15 +474,18 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
               link_bandwidth_gbps: float, cta_bandwidth_gbps: float, override_k: int,
               routed_counts, tp_size: int, ep_size: int, topk: int, mode_num_ctas: int,
               mode_tile_ps: int, hbm_bandwidth_gbps: float,
-              idle_ppm: int = IDLE_WHOLE, fill_ppm=None) -> tuple:
+              idle_ppm: int = IDLE_WHOLE, fill_ppm=None, stream_mbps: int = 0,
+              reread_ppm: int = 0) -> tuple:
     """One plan's model in one call (what `plan_gemm2_gatherrs` asks; the C++ solver has
     the same function, one crossing of the binding instead of four): `count_tiles`,
     `make_problem`, `solve` (or `gemm_end_ps` at `override_k` when it is not 0), the
     breakdown's terms at the chosen k and, where `routed_counts` is not None, `mode_times`
     with (`mode_num_ctas`, `mode_tile_ps`); `idle_ppm` (the tile's last-wave idle cost) in
-    both; `fill_ppm` (None, or the tile's cost at r valid rows, `fill_ppm_of_call`) scales
-    the problem's tau by the call's mean tile cost (`scale_tau_ps`) before it is solved (the
-    mode model's `mode_tile_ps` is not scaled).
+    both; `fill_ppm` (None, or the tile's cost at r valid rows, `fill_ppm_of_call`) and
+    `stream_mbps` / `reread_ppm` (the tile's streaming bandwidth and weight re-read; 0 / 0:
+    no streaming term) replace the problem's tau by the call's mean tile time
+    (`stream_tau_ps`; with `stream_mbps` 0 the tau scaled by the mean fill cost) before it
+    is solved (the mode model's `mode_tile_ps` is not changed).
 
     Returns:
         (k, E(k) ps, T_r, T_l, tau ps, tau_r(k) ps, R(k) ps, W(k) ps, mode_times' tuple or
@@ -408,9 +498,9 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
     p = make_problem(num_ctas, tr, tl, rows, hidden, elem_bytes, ffn, bk, alpha_us, beta_us,
                      ctas_per_sm, calibrated_ctas_per_sm, link_bandwidth_gbps,
                      cta_bandwidth_gbps)
-    if fill_ppm is not None:
-        p = p[:3] + (scale_tau_ps(p[3], fill_ppm_of_call(rows_per_expert_per_chunk, bm,
-                                                          fill_ppm)),) + p[4:]
+    if fill_ppm is not None or stream_mbps != 0:
+        p = p[:3] + (stream_tau_ps(rows_per_expert_per_chunk, bm, bn, hidden, ffn, elem_bytes,
+                                   num_ctas, p[3], fill_ppm, stream_mbps, reread_ppm),) + p[4:]
     p = p + (_int("idle_ppm", idle_ppm, 0, IDLE_WHOLE),)
     if override_k != 0:
         k, end = override_k, gemm_end_ps(override_k, *p)

@@ -154,7 +154,17 @@ class TileTime:
     up to (BM, 1.0)) linear in r, below the first point the first point's cost. Empty: every
     tile costs a full one (every profile before v6.6). `launch/calibrate.py --fill-ffn`
     measures it (`bench.workloads.fill_sweep`); the resource model scales a call's tau by
-    its tiles' mean cost (`fill_ppm_table`, `resource.model.fill_ppm_of_call`)."""
+    its tiles' mean cost (`fill_ppm_table`, `resource.model.fill_ppm_of_call`).
+
+    `stream_gbps` (GB/s, YAML key optional, default 0) and `reread` (in [0, 1], optional,
+    default 0): the weight-streaming term (v6.7). A tile costs at least its HBM bytes at
+    `stream_gbps` / G while all G CTAs stream: the expert's BN-column weight slice once
+    for the expert's first row block and `reread` of it again for each of the others
+    (what the L2 does not keep between the row blocks), plus its activation rows' share
+    and its outputs (`resource.model.stream_tau_ps`). `launch/calibrate.py --stream-ffn`
+    measures both (`bench.workloads.stream_sweep`: experts of 1, 2 and 3 full row blocks);
+    on one H100 a call of few rows per expert runs at up to 1.3-1.4x the compute time
+    (docs/perf_notes.md v6.6). 0: no streaming term (every profile before v6.7)."""
 
     bm: int
     bn: int
@@ -166,6 +176,8 @@ class TileTime:
     idle_wave_cost: float = 1.0
     hidden: Optional[int] = None
     fill_cost: Tuple[Tuple[int, float], ...] = ()
+    stream_gbps: float = 0.0
+    reread: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("bm", "bn", "bk", "ctas_per_sm"):
@@ -181,6 +193,14 @@ class TileTime:
             raise ValueError(f"tile_times.idle_wave_cost={self.idle_wave_cost!r}: expected a "
                              "number in [0, 1] (a fraction of a wave's time)")
         object.__setattr__(self, "fill_cost", _fill_cost(self.fill_cost, self.bm))
+        _check_float("tile_times.stream_gbps", self.stream_gbps, positive=False)
+        _check_float("tile_times.reread", self.reread, positive=False)
+        if self.reread > 1.0:
+            raise ValueError(f"tile_times.reread={self.reread!r}: expected a number in [0, 1] "
+                             "(a fraction of a weight slice)")
+        if self.stream_gbps == 0 and self.reread != 0:
+            raise ValueError(f"tile_times.reread={self.reread!r} without stream_gbps: the "
+                             "re-read prices bytes at the streaming bandwidth (give both)")
         if self.alpha_us + self.beta_us <= 0:
             raise ValueError(f"tile_times {self.bm}x{self.bn}x{self.bk}: alpha_us + beta_us "
                              "must be > 0 (a tile takes time)")
@@ -198,6 +218,16 @@ class TileTime:
         table = np.clip(np.rint(cost * IDLE_WHOLE), 1, IDLE_WHOLE).astype(np.int64)
         table.setflags(write=False)
         return table
+
+    @property
+    def stream_mbps(self) -> int:
+        """`stream_gbps` in the solver's unit, MB/s (int, 0: no streaming term)."""
+        return math.floor(self.stream_gbps * 1000.0 + 0.5)
+
+    @property
+    def reread_ppm(self) -> int:
+        """`reread` in millionths (int, 0..IDLE_WHOLE)."""
+        return math.floor(self.reread * IDLE_WHOLE + 0.5)
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -347,7 +377,8 @@ class HardwareProfile:
                             if not (k == "tma_store" and not v)
                             and not (k == "idle_wave_cost" and v == 1.0)
                             and not (k == "hidden" and v is None)
-                            and not (k == "fill_cost" and not v)}
+                            and not (k == "fill_cost" and not v)
+                            and not (k in ("stream_gbps", "reread") and v == 0)}
                            for t in self.tile_times]
         for t in d["tile_times"]:  # (YAML lists, not tuples)
             if "fill_cost" in t:
@@ -392,12 +423,14 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         tile_objs = []
         for t in tiles:
             want = {"bm", "bn", "bk", "ctas_per_sm", "alpha_us", "beta_us"}
-            optional = {"tma_store", "idle_wave_cost", "hidden", "fill_cost"}
+            optional = {"tma_store", "idle_wave_cost", "hidden", "fill_cost", "stream_gbps",
+                        "reread"}
             if not want <= set(t) <= want | optional:
                 raise ValueError(f"tile_times entry {t}: missing keys {sorted(want - set(t))}, "
                                  f"unknown keys {sorted(set(t) - want - optional)} "
                                  f"(expected exactly the keys {sorted(want)}, and optionally "
-                                 "tma_store, idle_wave_cost, hidden and fill_cost)")
+                                 "tma_store, idle_wave_cost, hidden, fill_cost, "
+                                 "stream_gbps and reread)")
             tile_objs.append(TileTime(**t))
         rest = {k: data[k] for k in _KEYS[3:]}
         return HardwareProfile(name=data["name"], gpu=GpuLimits(**gpu),
