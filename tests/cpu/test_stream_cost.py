@@ -63,6 +63,13 @@ def test_the_profile_round_trips_through_yaml_and_entries_without_the_term_omit_
     assert load_profile(tmp_path / "p.yaml") == new
 
 
+def test_the_shipped_h100_profile_has_a_measured_streaming_term_on_every_entry():
+    prof = load_profile("h100")
+    for t in prof.tile_times:
+        assert 1000.0 < t.stream_gbps < 3350.0 and 0.0 <= t.reread <= 1.0, t  # < HBM3 peak
+    assert prof.extra["stream_sweep"]
+
+
 def test_bytes_counted_by_hand():
     """One expert of 256 rows = 2 row blocks of 128, H = 512 (2 column tiles of 256), F =
     1024, bf16, G = 4 CTAs, 1 GB/s, re-read 0.5: a tile's HBM bytes are the weight slice
