@@ -562,8 +562,7 @@ int64_t stream_tau(const py::array& counts_in, int64_t bm, int64_t bn, int64_t h
     fail("rows_per_expert_per_chunk must be an integer [L, R] array");
   }
   auto counts = py::array_t<int64_t, py::array::c_style | py::array::forcecast>(counts_in);
-  const int64_t rows_n = counts.ndim() == 2 ? counts.shape(0) : 0;
-  const int64_t cols_n = counts.ndim() == 2 ? counts.shape(1) : 0;
+  const int64_t rows_n = counts.shape(0), cols_n = counts.shape(1);
   const int64_t* c = counts.data();
   int64_t all_blocks = 0;
   for (int64_t i = 0; i < rows_n * cols_n; ++i) {

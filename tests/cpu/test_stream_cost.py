@@ -13,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-
 from megatron_overlap.bench.workloads import STREAM_ROW_BLOCKS, stream_sweep
 from megatron_overlap.config import GatherRSOptions
-from megatron_overlap.metadata import triton_metadata
 from megatron_overlap.resource import plan_gemm2_gatherrs, solver
 from megatron_overlap.resource import model as twin
 from megatron_overlap.resource.model import IDLE_WHOLE, MAX_TIME_PS
 from megatron_overlap.resource.profile import TileTime, load_profile, save_profile
+from tests.cpu.test_fill_cost import _meta  # one rank's metadata from rows per expert
 
 REPO = Path(__file__).resolve().parents[2]
 cpp = solver.cpp_module()
@@ -174,13 +172,6 @@ def test_the_cpp_solver_gives_the_twins_times_and_errors():
 def test_bad_values_are_refused_by_name(impl, args, match):
     with pytest.raises(ValueError, match=match):
         impl.stream_tau_ps(*args)
-
-
-def _meta(rows_per_expert):
-    counts = np.array([rows_per_expert], dtype=np.int64)
-    return triton_metadata(counts, tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, topk=1,
-                           routing_map=torch.zeros(max(1, int(counts.sum())), counts.shape[1],
-                                                   dtype=torch.bool))
 
 
 @pytest.mark.parametrize("impl", ["python"] + (["cpp"] if cpp is not None else []))
