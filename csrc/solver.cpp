@@ -380,9 +380,16 @@ double bench_solve(int64_t g, int64_t tr, int64_t tl, int64_t tau, int64_t c_lin
 // The combine mode (resource/mode.py): predicted time of the slowest rank in the direct and
 // the pre-reduced mode, and which rank that is. The same loops and double operations, in
 // the same order, as model.mode_times (bit-identical results).
+int64_t stream_tau(const py::array& counts_in, int64_t bm, int64_t bn, int64_t hidden,
+                   int64_t ffn, int64_t elem, int64_t g, int64_t tau, py::object fill_obj,
+                   int64_t stream_mbps, int64_t reread);
+
+// With a fill table or a streaming bandwidth each EP slice's tiles cost its own mean tile
+// time (stream_tau of the slice's [L, R] counts, from tau), as model.mode_times (v6.8).
 py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, int64_t hidden,
                      int64_t elem, int64_t g, int64_t tau, int64_t bm, int64_t bn,
-                     double b_link, double b_hbm, int64_t idle) {
+                     double b_link, double b_hbm, int64_t idle, int64_t ffn,
+                     py::object fill, int64_t stream_mbps, int64_t reread) {
   check_range("tp_size", tp, 1, int64_t(1) << 16);
   check_range("ep_size", ep, 1, int64_t(1) << 16);
   const int64_t r = tp * ep;
@@ -423,7 +430,6 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
   const double p_any = 1.0 - p_none;
   const double row_link = double(hidden) * double(elem) / (b_link * 1e3);
   const double row_hbm = double(hidden) * double(elem) / (b_hbm * 1e3);
-  const double tau_us = double(tau) / double(1000000);
   const double idle_frac = double(idle) / double(kIdleWhole);
   std::vector<int64_t> tokens(r), pairs(r), rows_to(r * ep), tiles_to(r * ep);
   for (int64_t d = 0; d < r; ++d) {
@@ -441,6 +447,17 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
     pairs[d] = sum;
     tokens[d] = cdiv(sum, topk);
   }
+  std::vector<int64_t> tau_of(ep, tau);
+  if (!fill.is_none() || stream_mbps != 0) {
+    for (int64_t j = 0; j < ep; ++j) {
+      py::array_t<int64_t> slice({num_local, r});
+      auto sl = slice.mutable_unchecked<2>();
+      for (int64_t l = 0; l < num_local; ++l) {
+        for (int64_t d = 0; d < r; ++d) sl(l, d) = c(d, j * num_local + l);
+      }
+      tau_of[j] = stream_tau(slice, bm, bn, hidden, ffn, elem, g, tau, fill, stream_mbps, reread);
+    }
+  }
   double best[2] = {-1.0, -1.0};
   int64_t slowest[2] = {0, 0};
   for (int64_t q = 0; q < r; ++q) {
@@ -455,7 +472,7 @@ py::tuple mode_times(py::array counts_in, int64_t tp, int64_t ep, int64_t topk, 
     const int64_t full = tiles_q / g, rem = tiles_q - full * g;
     double waves = double(full);
     if (rem) waves += (double(rem) + idle_frac * double(g - rem)) / double(g);
-    const double waves_us = waves * tau_us;
+    const double waves_us = waves * (double(tau_of[j]) / double(1000000));
     const double direct = std::max(waves_us, double(rows_q - rows_to[q * ep + j]) * row_link) +
                           double(pairs[q] * tp + tokens[q]) * row_hbm;
     double pre_rows = 0.0;
@@ -653,7 +670,7 @@ py::tuple plan_call(py::array counts_in, int64_t local_chunk, int64_t bm, int64_
   py::object mode = py::none();
   if (!routed.is_none()) {
     mode = mode_times(py::array(routed), tp, ep, topk, hidden, elem, mode_g, mode_tau, bm, bn,
-                      b_link, b_hbm, idle);
+                      b_link, b_hbm, idle, ffn, fill, stream_mbps, reread);
   }
   return py::make_tuple(k, end, p.tr, p.tl, p.tau, terms[0], terms[1], terms[2], mode);
 }
@@ -682,7 +699,8 @@ PYBIND11_MODULE(_solver, m) {
         py::arg("ep_size"), py::arg("topk"), py::arg("hidden"), py::arg("elem_bytes"),
         py::arg("num_ctas"), py::arg("tile_ps"), py::arg("bm"), py::arg("bn"),
         py::arg("link_bandwidth_gbps"), py::arg("hbm_bandwidth_gbps"),
-        py::arg("idle_ppm") = kIdleWhole);
+        py::arg("idle_ppm") = kIdleWhole, py::arg("ffn") = 0, py::arg("fill_ppm") = py::none(),
+        py::arg("stream_mbps") = 0, py::arg("reread_ppm") = 0);
   m.def("plan_call", &plan_call, py::arg("rows_per_expert_per_chunk"), py::arg("local_chunk"),
         py::arg("bm"), py::arg("bn"), py::arg("bk"), py::arg("hidden"), py::arg("elem_bytes"),
         py::arg("ffn"), py::arg("num_ctas"), py::arg("alpha_us"), py::arg("beta_us"),

@@ -434,7 +434,9 @@ def group_time_us(meta: GatherRSMetadata, plan: Plan, *, num_sms: int, hidden: i
                          tile_ps=_tau_ref_ps(tile_time, ffn, tile[2]), tile=tuple(tile),
                          link_gbps=prof.link_bandwidth_gbps, hbm_gbps=prof.hbm_bandwidth_gbps,
                          solver=solver, prereduce_host_us=prof.prereduce_host_us,
-                         idle_ppm=tile_time.idle_ppm)
+                         idle_ppm=tile_time.idle_ppm, ffn=ffn,
+                         fill_ppm=tile_time.fill_ppm_table, stream_mbps=tile_time.stream_mbps,
+                         reread_ppm=tile_time.reread_ppm)
     if plan.mode == "prereduce":
         return mc.prereduce_us + mc.prereduce_host_us
     return mc.direct_us

@@ -14,13 +14,17 @@ the rows of a token's experts on one rank) but hides them under the GEMM2; the p
 mode moves few bytes but re-reads y and does not overlap its pass with the GEMM. Per group
 rank q (all times in microseconds):
 
-    W      = ceil(tiles_q / G) x tau                  (GEMM2 waves, as `resource.model`)
+    W      = ceil(tiles_q / G) x tau_q                (GEMM2 waves, as `resource.model`)
     D_q    = max(W, remote_rows_q x H x e / B_link)   (peer stores hidden under the GEMM2)
              + (recv_rows_q + T_q) x H x e / B_hbm    (finalize reads all routed rows)
     P_q    = W + rows_q x H x e / B_hbm               (the pass re-reads y)
              + pre_rows_q x H x e / B_link            (one row per token and destination)
              + (R + 1) x T_q x H x e / B_hbm          (finalize reads R slots per token)
 
+tau_q is the profile's tau(F) = alpha + beta x ceil(F / BK) at its calibrated occupancy,
+scaled, where the tile's profile has a fill table or a streaming bandwidth, to the mean
+tile time of q's own tiles (`resource.model.stream_tau_ps` of the rows of q's EP slice's
+experts from every source; since v6.8, as the plan prices this rank's tiles).
 pre_rows_q to destination d is min(rows q computes for d, T_d x p) with
 p = 1 - C(E - L, k) / C(E, k): the expected number of d's tokens with at least one of their
 k experts among q's L (uniform routing; all of them with EP = 1). The op ends with its
@@ -70,7 +74,8 @@ class ModeChoice:
 def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden: int,
                 elem_bytes: int, grid: int, tile_ps: int, tile: Tuple[int, int, int],
                 link_gbps: float, hbm_gbps: float, solver: Optional[str] = None,
-                prereduce_host_us: float = 0.0, idle_ppm: int = IDLE_WHOLE) -> ModeChoice:
+                prereduce_host_us: float = 0.0, idle_ppm: int = IDLE_WHOLE, ffn: int = 0,
+                fill_ppm=None, stream_mbps: int = 0, reread_ppm: int = 0) -> ModeChoice:
     """Predict both modes from the group's routed counts; choose the faster.
 
     Args:
@@ -92,6 +97,11 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
             mode saves is not.
         idle_ppm: the tile's last-wave idle cost in millionths of a wave
             (`TileTime.idle_ppm`; `IDLE_WHOLE`, the default, prices whole waves).
+        ffn, fill_ppm, stream_mbps, reread_ppm: F and the tile's fill table, streaming
+            bandwidth (MB/s) and weight re-read (millionths): `TileTime.fill_ppm_table`,
+            `.stream_mbps`, `.reread_ppm`. With a table or a bandwidth each rank's tiles
+            cost its EP slice's mean tile time from `tile_ps` (`resource.model.mode_times`,
+            `stream_tau_ps`); the defaults: every tile costs `tile_ps`.
 
     Returns:
         A `ModeChoice`; "direct" on ties and with one rank.
@@ -110,7 +120,7 @@ def choose_mode(routed_counts, *, tp_size: int, ep_size: int, topk: int, hidden:
 
     times = implementation(solver).mode_times(
         routed_counts, tp_size, ep_size, topk, hidden, elem_bytes, grid, tile_ps, tile[0],
-        tile[1], link_gbps, hbm_gbps, idle_ppm)
+        tile[1], link_gbps, hbm_gbps, idle_ppm, ffn, fill_ppm, stream_mbps, reread_ppm)
     return mode_choice(times, tp_size * ep_size, prereduce_host_us)
 
 

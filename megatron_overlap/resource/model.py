@@ -485,7 +485,8 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
     `stream_mbps` / `reread_ppm` (the tile's streaming bandwidth and weight re-read; 0 / 0:
     no streaming term) replace the problem's tau by the call's mean tile time
     (`stream_tau_ps`; with `stream_mbps` 0 the tau scaled by the mean fill cost) before it
-    is solved (the mode model's `mode_tile_ps` is not changed).
+    is solved; the mode model prices each rank's tiles alike from `mode_tile_ps`
+    (`mode_times`' per-rank tile time, since v6.8).
 
     Returns:
         (k, E(k) ps, T_r, T_l, tau ps, tau_r(k) ps, R(k) ps, W(k) ps, mode_times' tuple or
@@ -512,7 +513,8 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
     if routed_counts is not None:
         mode = mode_times(routed_counts, tp_size, ep_size, topk, hidden, elem_bytes,
                           mode_num_ctas, mode_tile_ps, bm, bn, link_bandwidth_gbps,
-                          hbm_bandwidth_gbps, idle_ppm)
+                          hbm_bandwidth_gbps, idle_ppm, ffn, fill_ppm, stream_mbps,
+                          reread_ppm)
     return (k, end, tr, tl, p[3]) + terms + (mode,)
 
 
@@ -521,7 +523,8 @@ def plan_call(rows_per_expert_per_chunk, local_chunk: int, bm: int, bn: int, bk:
 def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int,
                elem_bytes: int, num_ctas: int, tile_ps: int, bm: int, bn: int,
                link_bandwidth_gbps: float, hbm_bandwidth_gbps: float,
-               idle_ppm: int = IDLE_WHOLE) -> Tuple[float, ...]:
+               idle_ppm: int = IDLE_WHOLE, ffn: int = 0, fill_ppm=None,
+               stream_mbps: int = 0, reread_ppm: int = 0) -> Tuple[float, ...]:
     """Predicted time of the slowest rank in the direct and the pre-reduced mode
     (microseconds), and which group rank that is in each: (direct_us, prereduce_us,
     slowest_direct, slowest_prereduce). The formulas: `resource.mode`. Plain loops in one
@@ -533,6 +536,13 @@ def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int
         tile_ps: tau, one tile's time at the profile's calibrated occupancy; num_ctas: G.
         idle_ppm: the tile's last-wave idle cost (as `gemm_end_ps`): a rank's GEMM2 time
             is its whole waves plus the last one's busy fraction + idle x its idle fraction.
+        ffn, fill_ppm, stream_mbps, reread_ppm: F and the tile's fill table, streaming
+            bandwidth and weight re-read (`stream_tau_ps`). Where `fill_ppm` is not None or
+            `stream_mbps` is not 0, each rank's waves are priced at its own mean tile time,
+            `stream_tau_ps` of its EP slice's counts (every source's rows of its L experts,
+            [L, R]) from tau; the TP ranks of one EP slice share it. Otherwise (the
+            defaults, the model before v6.8) every rank's tiles cost tau and `ffn` is
+            not read.
 
     Raises:
         ValueError: not an integer [TP * EP, E] array with E divisible by EP, a negative
@@ -572,12 +582,18 @@ def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int
     p_any = 1.0 - p_none
     row_link = float(hidden) * float(elem) / (b_link * 1e3)  # one row over the link, us
     row_hbm = float(hidden) * float(elem) / (b_hbm * 1e3)
-    tau_us = float(tau) / float(PS_PER_US)
     tokens = [_cdiv(sum(row), topk) for row in rows]
     # rows and tiles of source d for EP slice j
     rows_to = [[sum(row[j * num_local:(j + 1) * num_local]) for j in range(ep)] for row in rows]
     tiles_to = [[sum(_cdiv(x, bm) for x in row[j * num_local:(j + 1) * num_local]) * col_blocks
                  for j in range(ep)] for row in rows]
+    # each EP slice's mean tile time (v6.8): the rows of its experts from every source
+    tau_of = [tau] * ep
+    if fill_ppm is not None or stream_mbps != 0:
+        for j in range(ep):
+            slice_j = counts[:, j * num_local:(j + 1) * num_local].astype(np.int64).T
+            tau_of[j] = stream_tau_ps(slice_j, bm, bn, hidden, ffn, elem, g, tau, fill_ppm,
+                                      stream_mbps, reread_ppm)
     best = [-1.0, -1.0]
     slowest = [0, 0]
     for q in range(r):
@@ -588,7 +604,7 @@ def mode_times(routed_counts, tp_size: int, ep_size: int, topk: int, hidden: int
         waves = float(full)
         if rem:
             waves += (float(rem) + idle_frac * float(g - rem)) / float(g)
-        waves_us = waves * tau_us
+        waves_us = waves * (float(tau_of[j]) / float(PS_PER_US))
         direct = (max(waves_us, float(rows_q - rows_to[q][j]) * row_link)
                   + float(sum(rows[q]) * tp + tokens[q]) * row_hbm)
         pre_rows = 0.0
