@@ -270,6 +270,16 @@ def test_calibrate_dry_run_gives_the_base_profiles_streaming_term_back(tmp_path)
     assert cal.main(["--dry-run", "--base", str(tmp_path / "base.yaml"), "--tma-store",
                      "--stream-ffn", "--out", str(out)]) == 0
     assert all(t.stream_gbps == 0 for t in load_profile(out).tile_times)
+    # --stream-row-blocks: the sweep's points, and the same fit from more of them
+    out = tmp_path / "more.yaml"
+    assert cal.main(["--dry-run", "--base", str(tmp_path / "base.yaml"), "--tma-store",
+                     "--stream-row-blocks", "1", "4", "16", "--out", str(out)]) == 0
+    more = load_profile(out)
+    assert sorted({r["row_blocks"] for r in more.extra["stream_sweep"]}) == [1, 4, 16]
+    for t, u in zip(prof.tile_times, more.tile_times):
+        assert u.stream_gbps == t.stream_gbps
+    with pytest.raises(SystemExit):  # argparse: row blocks are ints >= 1
+        cal.main(["--dry-run", "--stream-row-blocks", "0", "--out", str(tmp_path / "x")])
 
 
 def test_the_replays_gemm_accuracy_is_the_plans_gemm_term_over_the_measured_time():
