@@ -169,6 +169,13 @@ class Plan:
 _warned_fixed = False
 
 
+MAX_WIDTH = 1 << 30
+"""Largest H and F `plan_gemm2_gatherrs` accepts (the solvers' range for both)."""
+
+MAX_RECV_ROWS = 1 << 40
+"""Largest `recv_rows` `plan_gemm2_gatherrs` accepts (rows a finalize reads)."""
+
+
 def _positive_int(name: str, value) -> int:
     if type(value) is int and value >= 1:  # the common case, first (runs per launch)
         return value
@@ -260,7 +267,9 @@ def plan_gemm2_gatherrs(
         A `Plan`.
 
     Raises:
-        ValueError: the override exceeds the SM count; a size out of range; the kernel
+        ValueError: the override exceeds the SM count; a size out of range (num_sms
+            above MAX_CTAS, hidden or ffn above MAX_WIDTH, recv_rows above MAX_RECV_ROWS
+            included); the kernel
             cannot be resident; remote tiles with a grid of one CTA; the profile has no
             tile time for `tile` (each message names the value and what was expected).
         TypeError: a size is not an int; tma_store is not a bool.
@@ -274,6 +283,9 @@ def plan_gemm2_gatherrs(
     override = options.num_comm_ctas
     if num_sms is not None:
         _positive_int("num_sms", num_sms)
+        if num_sms > _model.MAX_CTAS:
+            raise ValueError(f"num_sms={num_sms}: expected an integer in [1, "
+                             f"{_model.MAX_CTAS}]")
         if override is not None and override > num_sms:
             raise ValueError(
                 f"moe_gatherrs_num_comm_ctas={override} exceeds the GPU's {num_sms} SMs; "
@@ -312,6 +324,9 @@ def plan_gemm2_gatherrs(
                     source="override" if override is not None else "fixed", mode=fixed_mode)
 
     hidden, ffn = _positive_int("hidden", hidden), _positive_int("ffn", ffn)
+    for name, value in (("hidden", hidden), ("ffn", ffn)):  # the solvers' range, named here
+        if value > MAX_WIDTH:                              # (a C++ int64 would overflow)
+            raise ValueError(f"{name}={value}: expected an integer in [1, {MAX_WIDTH}]")
     elem_bytes = _positive_int("elem_bytes", elem_bytes)
     if elem_bytes not in (1, 2, 4, 8):
         raise ValueError(f"elem_bytes={elem_bytes}: expected the byte size of a dtype "
@@ -350,6 +365,8 @@ def plan_gemm2_gatherrs(
         raise TypeError(f"recv_rows={recv_rows!r}: expected an int")
     elif recv_rows < 0:
         raise ValueError(f"recv_rows={recv_rows}: expected >= 0")
+    if recv_rows > MAX_RECV_ROWS:
+        raise ValueError(f"recv_rows={recv_rows}: expected at most {MAX_RECV_ROWS}")
     us = 1.0 / _model.PS_PER_US
     finalize_us = ((recv_rows + meta.num_tokens) * hidden * elem_bytes
                    / (prof.hbm_bandwidth_gbps * 1e3))

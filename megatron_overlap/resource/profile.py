@@ -542,11 +542,18 @@ def load_profile(name_or_path: Optional[Union[str, Path]] = None) -> HardwarePro
             current CUDA device's shipped profile, else `DEFAULT_PROFILE`).
 
     Raises:
-        ValueError: unknown name, unreadable YAML, or a bad profile.
+        TypeError: `name_or_path` neither None, a str nor a Path.
+        ValueError: an empty name, unknown name, unreadable YAML, or a bad profile.
     """
+    if name_or_path is not None and not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"hardware profile {name_or_path!r}: expected a profile name or a "
+                        f"YAML path (str or Path), got {type(name_or_path).__name__}")
     from_env = name_or_path is None and bool(os.environ.get(PROFILE_ENV))
     if name_or_path is None:
         name_or_path = default_profile_name()
+    if isinstance(name_or_path, str) and not name_or_path.strip():
+        raise ValueError("hardware profile '': expected a profile name (e.g. 'h200', "
+                         "'h100') or a YAML path")
     key = str(name_or_path)
     profile = _BY_NAME.get(key)
     if profile is None:

@@ -170,3 +170,23 @@ def test_group_time_of_a_fixed_mode_plan_uses_the_profiles_term(impl):
     plain = dataclasses.replace(prof, tile_times=tuple(
         dataclasses.replace(t, stream_gbps=0.0, reread=0.0) for t in prof.tile_times))
     assert got > group_time_us(meta, fixed, elem_bytes=2, **dict(kw, profile=plain))
+
+
+@pytest.mark.parametrize("impl", ["python"] + (["cpp"] if cpp is not None else []))
+@pytest.mark.parametrize("kw, match", [
+    (dict(ffn=2 ** 52), r"ffn=4503599627370496: expected an integer in \[1, 1073741824\]"),
+    (dict(ffn=2 ** 63), "ffn=9223372036854775808"),
+    (dict(hidden=2 ** 31), "hidden=2147483648"),
+    (dict(num_sms=2 ** 40), "num_sms=1099511627776"),
+    (dict(recv_rows=2 ** 70), "recv_rows=1180591620717411303424"),
+])
+def test_out_of_range_sizes_are_refused_by_their_own_name(impl, kw, match):
+    """Sizes beyond the solvers' range get the planner's ValueError naming the argument
+    the caller passed (not a binding's signature dump or another argument's name)."""
+    maps = routing_maps([64, 64], 16, 2, "uniform", seed=0)
+    meta = rank_rows(maps, tp=1, ep=2, rank=0, topk=2).meta
+    args = dict(num_sms=132, hidden=2048, ffn=768, profile=_profile(), solver=impl)
+    for prereduce in ("auto", False):
+        with pytest.raises(ValueError, match=match):
+            plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton", prereduce=prereduce),
+                                **dict(args, **kw))

@@ -193,3 +193,13 @@ def test_calibrate_dry_run_tails_come_from_the_first_hiddens_entries(tmp_path, c
                            "4096", "--out", str(out)]) == 0
     (entry,) = load_profile(out).tile_times
     assert entry.hidden == 4096 and entry.idle_wave_cost == pytest.approx(0.9, abs=0.01)
+
+
+def test_load_profile_refuses_an_empty_name_and_non_path_types_by_name():
+    from megatron_overlap.resource import load_profile
+
+    with pytest.raises(ValueError, match="hardware profile '': expected a profile name"):
+        load_profile("")
+    for bad in (5, b"h200", ["h200"]):
+        with pytest.raises(TypeError, match="expected a profile name or a YAML path"):
+            load_profile(bad)
