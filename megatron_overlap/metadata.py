@@ -332,8 +332,8 @@ def build_metadata(
         device).
 
     Raises:
-        ValueError: inconsistent sizes, ranks out of range, top-k < 1 or smaller than a
-            token's routed experts, counts that disagree with the routing map (the message
+        ValueError: inconsistent sizes, ranks out of range, top-k < 1, above the number
+            of experts or smaller than a token's routed experts, counts that disagree with the routing map (the message
             names them).
         TypeError: a rank, size or top-k that is not an int; row_slot / dest_token_mask /
             routing_map that are not tensors of the documented dtypes.
@@ -401,6 +401,8 @@ def build_metadata(
     num_experts = counts.shape[1] - ep_size
     if num_experts % ep_size != 0:
         raise ValueError(f"ep_size={ep_size} must divide the number of experts {num_experts}")
+    if topk > num_experts:  # checked whatever the tokens (with none, no map would tell)
+        raise ValueError(f"topk={topk}: expected at most the number of experts {num_experts}")
     if (counts < 0).any():
         raise ValueError("counts must be >= 0")
     if validate and routing_map is not None:

@@ -190,3 +190,17 @@ def test_out_of_range_sizes_are_refused_by_their_own_name(impl, kw, match):
         with pytest.raises(ValueError, match=match):
             plan_gemm2_gatherrs(meta, GatherRSOptions(backend="triton", prereduce=prereduce),
                                 **dict(args, **kw))
+
+
+def test_build_metadata_refuses_a_topk_above_the_experts_even_without_tokens():
+    import torch
+
+    from megatron_overlap.metadata import build_metadata
+
+    counts = np.zeros((1, 9), dtype=np.int64)  # E = 8, EP = 1, no tokens
+    kw = dict(counts=counts, row_slot=torch.zeros(0, dtype=torch.int64),
+              dest_token_mask=torch.zeros(0, 1, dtype=torch.bool), tp_size=1, tp_rank=0,
+              ep_size=1, ep_rank=0, routing_map=torch.zeros(0, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="topk=9: expected at most the number of experts 8"):
+        build_metadata(topk=9, **kw)
+    assert build_metadata(topk=8, **kw).topk == 8
