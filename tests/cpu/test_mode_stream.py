@@ -7,7 +7,6 @@ does; without them every rank's tiles cost the profile's tau, as before.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from megatron_overlap.resource import group_time_us, load_profile, plan_gemm2_ga
 from megatron_overlap.resource import model as twin
 from megatron_overlap.resource import solver
 from megatron_overlap.resource.model import IDLE_WHOLE, MAX_TIME_PS
+from tests.cpu.test_resource_mode import _loop_reference  # the per-rank formulas
 
 cpp = solver.cpp_module()
 IMPLS = [twin] + ([cpp] if cpp is not None else [])
@@ -30,31 +30,6 @@ def _profile(fill=((32, 0.8),), gbps=2000.0, reread=0.3):
     return dataclasses.replace(base, prereduce_host_us=0.0, tile_times=tuple(
         dataclasses.replace(t, fill_cost=fill, stream_gbps=gbps, reread=reread,
                             idle_wave_cost=1.0) for t in base.tile_times))
-
-
-def _reference(metas, counts, tp, ep, topk, hidden, grid, taus_us, link, hbm):
-    """The mode model's two times written per rank from each rank's own metadata: its tiles
-    (`count_tiles` of its rows per expert per chunk) at its own tile time `taus_us[q]`."""
-    r, num_experts = counts.shape
-    num_local = num_experts // ep
-    tokens = [-(-int(c) // topk) for c in counts.sum(axis=1)]
-    k = min(topk, num_experts)
-    p_any = (1 - math.comb(num_experts - num_local, k) / math.comb(num_experts, k)
-             if ep > 1 and num_experts - num_local >= k else 1.0)
-    row_link, row_hbm = hidden * 2 / (link * 1e3), hidden * 2 / (hbm * 1e3)
-    direct, pre = [], []
-    for q, meta in enumerate(metas):
-        ep_q, tp_q = divmod(q, tp)
-        remote_tiles, local_tiles, remote_rows = twin.count_tiles(
-            meta.rows_per_expert_per_chunk, tp_q * ep + ep_q, 128, 256, hidden)
-        waves = -(-(remote_tiles + local_tiles) // grid) * taus_us[q]
-        rows_to = counts[:, ep_q * num_local:(ep_q + 1) * num_local].sum(axis=1)
-        direct.append(max(waves, remote_rows * row_link)
-                      + (int(counts[q].sum()) * tp + tokens[q]) * row_hbm)
-        pre.append(waves + int(rows_to.sum()) * row_hbm
-                   + sum(min(float(rows_to[d]), tokens[d] * p_any) for d in range(r) if d != q)
-                   * row_link + (r + 1) * tokens[q] * row_hbm)
-    return max(direct), max(pre)
 
 
 @pytest.mark.parametrize("impl", ["python"] + (["cpp"] if cpp is not None else []))
@@ -78,8 +53,8 @@ def test_each_rank_is_priced_at_its_own_plans_tile_time(impl, tp, ep, tokens):
     taus = [p.breakdown.tile_us for p in plans]
     assert len(set(taus[q] for q in range(0, tp * ep, tp))) > 1 or ep == 1  # slices differ
     counts = np.asarray(metas[0].routed_counts)
-    d, p = _reference(metas, counts, tp, ep, topk, hidden, plans[0].num_ctas, taus,
-                      prof.link_bandwidth_gbps, prof.hbm_bandwidth_gbps)
+    d, p = _loop_reference(counts, tp, ep, topk, hidden, plans[0].num_ctas, taus,
+                           prof.link_bandwidth_gbps, prof.hbm_bandwidth_gbps, metas=metas)
     for plan in plans:  # every rank made the same choice from the same numbers
         assert plan.mode_choice == plans[0].mode_choice
     assert plans[0].mode_choice.direct_us == pytest.approx(d, rel=1e-9)

@@ -112,8 +112,10 @@ def test_formulas_on_a_small_case():
     assert choice.mode == ("prereduce" if max(pre) < max(direct) else "direct")
 
 
-def _loop_reference(counts, tp, ep, topk, hidden, grid, tau_us, link, hbm):
-    """choose_mode's formulas written per rank with the metadata's own tile counting."""
+def _loop_reference(counts, tp, ep, topk, hidden, grid, tau_us, link, hbm, metas=None):
+    """choose_mode's formulas written per rank with the metadata's own tile counting.
+    `tau_us`: one tile time for every rank, or one per rank; `metas`: each rank's own
+    metadata, whose rows per expert per chunk then give its tiles (else the counts do)."""
     from megatron_overlap.metadata import chunk_to_group_rank
     from megatron_overlap.resource.model import count_tiles
 
@@ -129,9 +131,11 @@ def _loop_reference(counts, tp, ep, topk, hidden, grid, tau_us, link, hbm):
     for q in range(r):
         ep_q, tp_q = divmod(q, tp)
         experts = slice(ep_q * num_local, (ep_q + 1) * num_local)
-        remote_tiles, local_tiles, remote_rows = count_tiles(
-            counts[groups, experts].T, tp_q * ep + ep_q, 128, 256, hidden)
-        waves = -(-(remote_tiles + local_tiles) // grid) * tau_us
+        rows = counts[groups, experts].T if metas is None else metas[q].rows_per_expert_per_chunk
+        remote_tiles, local_tiles, remote_rows = count_tiles(rows, tp_q * ep + ep_q, 128, 256,
+                                                             hidden)
+        tau_q = tau_us[q] if isinstance(tau_us, (list, tuple)) else tau_us
+        waves = -(-(remote_tiles + local_tiles) // grid) * tau_q
         rows_to = counts[:, experts].sum(axis=1)
         direct.append(max(waves, remote_rows * row_link)
                       + (int(counts[q].sum()) * tp + tokens[q]) * row_hbm)
